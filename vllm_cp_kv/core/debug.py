@@ -1,0 +1,100 @@
+"""Syncing invariant checks, run only with ``VLLM_CP_KV_DEBUG=1``.
+
+Each check raises ``AssertionError`` with the numbers and the likely
+culprit. They copy tensors to the host and (for the plan check) talk to the
+other ranks, so they are off for performance runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ownership import CPShardSpec
+from .plan import MaterializationPlan
+
+
+def expected_slot_mapping(spec: CPShardSpec, block_table: torch.Tensor,
+                          query_start_loc: torch.Tensor,
+                          seq_lens: torch.Tensor) -> torch.Tensor:
+    """Slots this rank must write for the batch's new tokens (-1 = not owned).
+
+    Args:
+        block_table: ``[R, C]`` virtual block table.
+        query_start_loc: ``[R + 1]`` offsets of each request's new tokens.
+        seq_lens: ``[R]`` tokens per request including the new ones.
+    Returns:
+        ``[T]`` int64 with ``T = query_start_loc[-1]``.
+    """
+    qsl = query_start_loc.cpu().long()
+    seq = seq_lens.cpu().long()
+    table = block_table.cpu().long()
+    out = []
+    for i in range(seq.numel()):
+        q = int(qsl[i + 1] - qsl[i])
+        pos = torch.arange(int(seq[i]) - q, int(seq[i]))
+        blk = pos // spec.block_size
+        owned = spec.owner_of(blk) == spec.rank
+        phys = table[i, spec.table_index(blk)] if q else pos
+        slot = phys * spec.block_size + pos % spec.block_size
+        out.append(torch.where(owned, slot, torch.full_like(slot, -1)))
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
+
+
+def check_owned_writes(spec: CPShardSpec, slot_mapping: torch.Tensor,
+                       block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                       seq_lens: torch.Tensor) -> None:
+    """Every slot this rank writes belongs to a block it owns (and vice versa)."""
+    want = expected_slot_mapping(spec, block_table, query_start_loc, seq_lens)
+    got = slot_mapping.cpu().long()[: want.numel()]
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, (
+        f"rank {spec.rank}/{spec.size}: slot mapping writes non-owned or wrong "
+        f"slots at token(s) {bad[:8].tolist()}: got {got[bad[:8]].tolist()}, "
+        f"want {want[bad[:8]].tolist()}. The slot-mapping kernel's interleave "
+        f"size is probably not the block size ({spec.block_size}).")
+
+
+def check_plan_covers(plan: MaterializationPlan, block_table: torch.Tensor,
+                      read_lens: torch.Tensor) -> None:
+    """Every block a kernel reads maps to its owner's block in the scratch."""
+    spec = plan.spec
+    per_rank = plan.blocks_per_rank
+    full = plan.full_block_table.cpu().long()
+    send = plan.send_block_ids.cpu()
+    counts = plan.num_send_blocks.cpu()
+    table = block_table.cpu().long()
+    for i, n_tok in enumerate(read_lens.cpu().tolist()):
+        for j in range(-(-int(n_tok) // spec.block_size)):
+            idx = int(full[i, j])
+            rank, k = divmod(idx, per_rank)
+            want = int(table[i, j // spec.size])
+            assert rank == j % spec.size and k < int(counts[rank]) and \
+                int(send[rank, k]) == want, (
+                    f"request {i} logical block {j}: scratch block {idx} holds "
+                    f"rank {rank}'s block {int(send[rank, k])}, want rank "
+                    f"{j % spec.size}'s block {want}. The plan is stale or was "
+                    "built from another block table.")
+
+
+def plan_fingerprint(plan: MaterializationPlan) -> torch.Tensor:
+    """Small int64 digest of everything that must match across ranks."""
+    parts = [plan.send_block_ids, plan.full_block_table, plan.num_send_blocks]
+    digest = [torch.tensor(p.shape).sum() for p in parts]
+    weights = [torch.arange(1, p.numel() + 1, dtype=torch.int64) for p in parts]
+    digest += [(p.cpu().flatten().long() * w).sum() for p, w in zip(parts, weights)]
+    return torch.stack(digest).long()
+
+
+def check_plan_identical(plan: MaterializationPlan, cpu_group) -> None:
+    """All ranks of the shard group hold the same plan (collective)."""
+    import torch.distributed as dist
+
+    mine = plan_fingerprint(plan)
+    world = dist.get_world_size(cpu_group)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=cpu_group)
+    for r, other in enumerate(everyone):
+        assert torch.equal(other, mine), (
+            f"rank {plan.spec.rank}: materialization plan differs from rank "
+            f"{r} ({mine.tolist()} vs {other.tolist()}). Ranks were given "
+            "different block tables or sequence lengths.")

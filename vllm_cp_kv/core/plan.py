@@ -1,0 +1,149 @@
+"""Materialization plan: which owned blocks each rank sends, and where each
+logical block of the batch lands in the scratch full view.
+
+``plan_materialization`` runs once per batch (for all layers); the returned
+:class:`MaterializationPlan` is frozen and is consumed by
+:mod:`vllm_cp_kv.core.materialize` once per layer.
+
+All inputs must be identical on every rank of the shard group (vLLM's
+scheduler sends every rank the same block table and sequence lengths), so
+every rank derives the identical plan without communicating.
+
+Scratch layout (rank-major, one collective of the same size on every rank)::
+
+    scratch[r * P + i] = rank r's physical block send_block_ids[r, i]
+
+where ``P = max_r(#blocks rank r sends)``; ranks with fewer blocks pad with
+``pad_block_id`` (never referenced by ``full_block_table``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import itertools
+
+import torch
+
+from .ownership import CPShardSpec
+
+_epochs = itertools.count()
+
+
+@dataclass(frozen=True)
+class MaterializationPlan:
+    """A frozen per-batch plan. Shapes use ``R`` requests, ``N`` ranks.
+
+    Attributes:
+        spec: the shard layout the plan was made for.
+        send_block_ids: ``[N, P]`` int64, local physical block ids each rank
+            packs, in scratch order.
+        num_send_blocks: ``[N]`` int64, real (unpadded) entries per rank.
+        full_block_table: ``[R, max_logical_blocks]`` int32, scratch block
+            index of every logical block read by each request (0 past the
+            request's last block).
+        num_logical_blocks: ``[R]`` int64, logical blocks read per request.
+        epoch: unique id; lets run-time checks reject a stale plan.
+    """
+
+    spec: CPShardSpec
+    send_block_ids: torch.Tensor
+    num_send_blocks: torch.Tensor
+    full_block_table: torch.Tensor
+    num_logical_blocks: torch.Tensor
+    epoch: int = field(default_factory=lambda: next(_epochs))
+
+    @property
+    def blocks_per_rank(self) -> int:
+        """``P``: blocks every rank contributes to the collective."""
+        return self.send_block_ids.shape[1]
+
+    @property
+    def num_scratch_blocks(self) -> int:
+        """Blocks in the scratch full view (``N * P``)."""
+        return self.spec.size * self.blocks_per_rank
+
+    def scratch_slot_mapping(self, req_indices: torch.Tensor,
+                             positions: torch.Tensor) -> torch.Tensor:
+        """Scratch slot of each new token (for writing it into the scratch).
+
+        Args:
+            req_indices: ``[T]`` request index of each new token.
+            positions: ``[T]`` token position within its request.
+        Returns:
+            ``[T]`` int64 slot ids ``scratch_block * block_size + offset``.
+        """
+        bs = self.spec.block_size
+        blocks = self.full_block_table[req_indices.long(), (positions // bs).long()]
+        return blocks.long() * bs + positions.long() % bs
+
+
+def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor,
+                         pad_block_id: int = 0,
+                         min_columns: int = 1) -> MaterializationPlan:
+    """Plan the full-view gather for one batch.
+
+    Args:
+        spec: shard layout (``spec.rank`` is not used: the plan is the same
+            on every rank).
+        block_table: ``[R, C]`` int, virtual block table shared by all ranks
+            (column ``c`` holds logical blocks ``c*N .. c*N+N-1``).
+        seq_lens: ``[R]`` int, tokens whose KV each request reads this step
+            (context plus the tokens computed in this step).
+        pad_block_id: a valid local block id used to pad short rank lists.
+        min_columns: least width of ``full_block_table`` (kernels that size
+            their index from a request's full length need it).
+    Returns:
+        The frozen plan. Each (owner, physical block) pair read by the batch
+        appears once, even when several requests share it.
+    """
+    device = block_table.device
+    n, bs = spec.size, spec.block_size
+    seq_lens = seq_lens.to(device=device, dtype=torch.int64)
+    nblk = (seq_lens + bs - 1) // bs
+    num_reqs = block_table.shape[0]
+    max_nb = int(nblk.max()) if num_reqs else 0
+    if max_nb > block_table.shape[1] * n:
+        raise ValueError(
+            f"a request reads {max_nb} logical blocks but the block table has "
+            f"only {block_table.shape[1]} columns of {n} blocks each.")
+    j = torch.arange(max_nb, device=device)
+    valid = j[None, :] < nblk[:, None]  # [R, max_nb]
+    owner = spec.owner_of(j).expand(num_reqs, max_nb)
+    phys = block_table[:, spec.table_index(j)].to(torch.int64)  # [R, max_nb]
+    if valid.any() and int(phys[valid].min()) < 0:
+        raise ValueError("block table holds a negative block id for a block "
+                         "the batch reads.")
+    stride = int(phys.max()) + 1 if phys.numel() else 1
+    keys = owner[valid] * stride + phys[valid]
+    uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+    u_owner, u_phys = uniq // stride, uniq % stride
+    counts = torch.bincount(u_owner, minlength=n)
+    per_rank = max(int(counts.max()) if uniq.numel() else 0, 1)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(uniq.numel(), device=device) - starts[u_owner]
+    send = torch.full((n, per_rank), pad_block_id, dtype=torch.int64, device=device)
+    send[u_owner, slot] = u_phys
+    full = torch.zeros((num_reqs, max(max_nb, min_columns, 1)), dtype=torch.int32, device=device)
+    full[:, :max_nb][valid] = (u_owner * per_rank + slot)[inverse].to(torch.int32)
+    return MaterializationPlan(spec=spec, send_block_ids=send,
+                               num_send_blocks=counts, full_block_table=full,
+                               num_logical_blocks=nblk)
+
+
+def brute_force_full_view(spec: CPShardSpec, block_table: torch.Tensor,
+                          seq_lens: torch.Tensor,
+                          rank_caches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Reference: each request's logical blocks read straight from owners.
+
+    Returns one ``[num_logical_blocks, block_size, ...]`` tensor per request,
+    built by a Python loop over blocks (used by tests only).
+    """
+    out = []
+    for i, n_tok in enumerate(seq_lens.tolist()):
+        blocks = []
+        for j in range(-(-n_tok // spec.block_size)):
+            owner = j % spec.size
+            blocks.append(rank_caches[owner][int(block_table[i, j // spec.size])])
+        out.append(torch.stack(blocks) if blocks else rank_caches[0][:0])
+    return out

@@ -1,0 +1,136 @@
+"""The materializing MLA backend: wraps the platform's MLA backend.
+
+``sharded_backend(inner)`` returns a subclass of ``inner`` (CPU_MLA,
+AMX_MLA here; FLASH_ATTN_MLA, FLASHMLA, TRITON_MLA on GPU) whose
+
+* metadata builder plans the full-view gather once per batch (all layers)
+  and translates the block tables to the scratch full view;
+* impl writes new KV to this rank's persistent cache through vLLM's own DCP
+  slot mapping (owner-only), then, per layer, gathers the planned blocks
+  into the scratch and runs the inner kernel unchanged on it.
+
+The impl reports ``dcp_world_size == 1`` to the ``MLAAttention`` layer: the
+kernel sees a complete, unsharded view, so the layer must not all-gather
+queries or merge partial outputs by LSE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from functools import cache
+
+import torch
+
+from ..core import debug as core_debug
+from ..core.plan import plan_materialization
+from .runtime import get_runtime
+
+
+class _SingleRankGroup:
+    world_size = 1
+    rank_in_group = 0
+
+
+@contextlib.contextmanager
+def _unsharded_view():
+    """Make vLLM's MLA metadata builder see DCP size 1 while it initializes.
+
+    Why: with DCP > 1 the builder expects the layer's LSE-merging
+    ``MLADCPManager``; our kernels read a materialized full view instead.
+    """
+    from vllm.model_executor.layers.attention import mla_attention
+
+    orig = mla_attention.get_dcp_group
+    mla_attention.get_dcp_group = lambda: _SingleRankGroup()
+    try:
+        yield
+    finally:
+        mla_attention.get_dcp_group = orig
+
+
+def read_lens(common, decode_threshold: int) -> torch.Tensor:
+    """Tokens each request reads from the KV cache in this step.
+
+    Decode rows read their whole sequence (the new token included, written
+    before attention); prefill rows read only their cached context (their
+    new tokens come straight from the projections).
+    """
+    qsl = common.query_start_loc_cpu.long()
+    q = qsl[1:] - qsl[:-1]
+    seq = common.seq_lens.cpu().long()[: q.numel()]
+    return torch.where(q <= decode_threshold, seq, seq - q)
+
+
+@cache
+def sharded_backend(inner: type) -> type:
+    """Return the materializing subclass of MLA backend ``inner``."""
+    inner_impl = inner.get_impl_cls()
+    inner_builder = inner.get_builder_cls()
+
+    class Builder(inner_builder):
+        def __init__(self, *args, **kwargs):
+            with _unsharded_view():
+                super().__init__(*args, **kwargs)
+
+        def build(self, common_prefix_len, common_attn_metadata,
+                  fast_build: bool = False):
+            common = common_attn_metadata
+            block_size = self.kv_cache_spec.block_size
+            runtime = get_runtime(block_size)
+            lens = read_lens(common, self.reorder_batch_threshold)
+            table = common.block_table_tensor[: common.num_reqs]
+            # Kernels size their index from each request's full length.
+            columns = -(-common.max_seq_len // block_size)
+            plan = plan_materialization(runtime.spec, table, lens,
+                                        min_columns=columns)
+            if runtime.debug:
+                core_debug.check_owned_writes(
+                    runtime.spec, common.slot_mapping, table,
+                    common.query_start_loc_cpu, common.seq_lens[: common.num_reqs])
+                core_debug.check_plan_covers(plan, table, lens)
+            full = plan.full_block_table.to(table.device)
+            translated = dataclasses.replace(common, block_table_tensor=full)
+            metadata = super().build(common_prefix_len, translated, fast_build)
+            metadata.cp_kv_plan = plan
+            return metadata
+
+    class Impl(inner_impl):
+        materializes_full_view = True
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # The layer sees an unsharded kernel: no query all-gather and
+            # no LSE merge (see module docstring).
+            self.dcp_world_size = 1
+            self.need_to_return_lse_for_decode = False
+
+        def _full_view(self, kv_cache, attn_metadata):
+            runtime = get_runtime(kv_cache.shape[1])
+            return runtime.materialize(attn_metadata.cp_kv_plan, kv_cache)
+
+        def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+            full = self._full_view(kv_c_and_k_pe_cache, attn_metadata)
+            return super().forward_mqa(q, full, attn_metadata, layer)
+
+        def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache,
+                        attn_metadata, k_scale, output, output_scale=None):
+            if bool((attn_metadata.cp_kv_plan.num_logical_blocks > 0).any()):
+                kv_c_and_k_pe_cache = self._full_view(kv_c_and_k_pe_cache,
+                                                      attn_metadata)
+            return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache,
+                                       attn_metadata, k_scale, output,
+                                       output_scale)
+
+    class Backend(inner):
+        @staticmethod
+        def get_impl_cls():
+            return Impl
+
+        @staticmethod
+        def get_builder_cls():
+            return Builder
+
+    for cls, role in ((Backend, "Backend"), (Impl, "Impl"), (Builder, "Builder")):
+        cls.__name__ = cls.__qualname__ = f"ShardedKV{role}_{inner.get_name()}"
+    return Backend

@@ -1,0 +1,104 @@
+"""Startup checks: unsupported combinations fail with what to change.
+
+Two stages, both run only when ``cp_kv.enable`` is set:
+
+* :func:`check_engine_args` runs on the user's ``EngineArgs`` before vLLM
+  builds its config, and derives the settings sharding needs
+  (``decode_context_parallel_size``, prefix caching off).
+* :func:`check_vllm_config` runs once the model config and the block size
+  are known, and pins ``cp_kv_cache_interleave_size`` to the block size.
+
+Every message is listed in docs/startup-checks.md; tests match them.
+"""
+
+from __future__ import annotations
+
+from .options import CPKVOptions
+
+
+class CPKVConfigError(ValueError):
+    """A configuration the cp_kv plugin cannot run."""
+
+
+def shard_group_size(tp: int, pcp: int) -> int:
+    """The KV shard group: PCP when > 1, else TP (MLA latent is TP-replicated)."""
+    return pcp if pcp > 1 else tp
+
+
+def check_engine_args(args, options: CPKVOptions) -> None:
+    """Validate and derive engine args in place (frontend, before VllmConfig)."""
+    tp = args.tensor_parallel_size
+    pcp = args.prefill_context_parallel_size
+    if args.pipeline_parallel_size > 1:
+        raise CPKVConfigError(
+            "cp_kv: pipeline parallelism is not supported "
+            f"(--pipeline-parallel-size={args.pipeline_parallel_size}); set it to 1 "
+            "or disable cp_kv.")
+    if pcp > 1:
+        raise CPKVConfigError(
+            "cp_kv: sharding over the prefill-context-parallel group "
+            f"(--prefill-context-parallel-size={pcp}) needs the GPU V2 model "
+            "runner and is not available in this release; shard over TP "
+            "instead (--tensor-parallel-size N) or disable cp_kv.")
+    size = shard_group_size(tp, pcp)
+    if size < 2:
+        raise CPKVConfigError(
+            "cp_kv: the KV shard group has size 1 (--tensor-parallel-size=1, "
+            "--prefill-context-parallel-size=1), so there is nothing to shard; "
+            "set --tensor-parallel-size 2 or more, or disable cp_kv.")
+    dcp = args.decode_context_parallel_size
+    if dcp not in (1, size):
+        raise CPKVConfigError(
+            f"cp_kv: --decode-context-parallel-size={dcp} conflicts with the KV "
+            f"shard group of size {size}; remove the flag (cp_kv sets it to "
+            f"{size}).")
+    interleave = args.cp_kv_cache_interleave_size
+    if interleave is not None and args.block_size is not None and \
+            interleave != args.block_size:
+        raise CPKVConfigError(
+            f"cp_kv: --cp-kv-cache-interleave-size={interleave} differs from "
+            f"--block-size={args.block_size}; block ownership needs them equal. "
+            "Remove --cp-kv-cache-interleave-size (cp_kv sets it).")
+    if args.enable_prefix_caching:
+        raise CPKVConfigError(
+            "cp_kv: prefix caching is not supported with sharded KV yet; "
+            "add --no-enable-prefix-caching or disable cp_kv.")
+    if args.speculative_config:
+        raise CPKVConfigError(
+            "cp_kv: speculative decoding is not supported with sharded KV; "
+            "remove --speculative-config or disable cp_kv.")
+    if args.worker_cls not in ("auto", None):
+        raise CPKVConfigError(
+            f"cp_kv: a custom --worker-cls ({args.worker_cls}) cannot be combined "
+            "with cp_kv, which installs its own worker; remove --worker-cls.")
+    args.decode_context_parallel_size = size
+    args.enable_prefix_caching = False
+
+
+def check_vllm_config(vllm_config) -> None:
+    """Model-level checks and late derivations (after the platform hook)."""
+    model_config = vllm_config.model_config
+    if model_config is None:
+        return
+    if not model_config.use_mla:
+        raise CPKVConfigError(
+            f"cp_kv: model {model_config.model!r} does not use MLA; cp_kv shards "
+            "the MLA latent KV cache (DeepSeek-V2/V3 style). Disable cp_kv for "
+            "this model.")
+    hf = model_config.hf_text_config
+    if getattr(hf, "index_topk", None):
+        raise CPKVConfigError(
+            "cp_kv: sparse-attention (DeepSeek-V3.2 indexer) models are not "
+            "supported by this release; disable cp_kv for this model.")
+    parallel = vllm_config.parallel_config
+    block_size = vllm_config.cache_config.block_size
+    if block_size is None:
+        return
+    user_set = not getattr(parallel, "_allow_auto_resolve_cp_interleave_size", True)
+    if user_set and parallel.cp_kv_cache_interleave_size != block_size:
+        raise CPKVConfigError(
+            "cp_kv: --cp-kv-cache-interleave-size="
+            f"{parallel.cp_kv_cache_interleave_size} differs from the block size "
+            f"({block_size}); block ownership needs them equal. Remove "
+            "--cp-kv-cache-interleave-size (cp_kv sets it).")
+    parallel.cp_kv_cache_interleave_size = block_size

@@ -1,0 +1,185 @@
+"""Plugin entry: the one place where vLLM internals are patched.
+
+``register()`` runs in every vLLM process (``vllm.general_plugins`` entry
+point). Each patch below is inert unless the running config has
+``additional_config={"cp_kv": {"enable": true}}``; installed but not
+enabled, the plugin changes nothing.
+
+Patches, and why each is needed:
+
+1. ``EngineArgs.create_engine_config``: run the startup checks on the user's
+   arguments and derive ``decode_context_parallel_size`` (vLLM's sharded
+   block layout) before vLLM validates its config, so vLLM's own DCP checks
+   still apply.
+2. ``current_platform.check_and_update_config``: once the platform has fixed
+   the block size, pin ``cp_kv_cache_interleave_size`` to it (block
+   ownership) and install :class:`~vllm_cp_kv.integration.worker.ShardedKVWorker`.
+3. ``selector._cached_get_attn_backend``: wrap the platform's MLA backend in
+   the materializing backend (the CPU platform ignores
+   ``--attention-backend`` for custom backends, so registration alone would
+   not reach it).
+4. ``check_attention_cp_compatibility`` in both model runners: vLLM demands
+   an LSE-returning decode kernel under DCP because its DCP attention merges
+   partial results; a materialized full view needs no merge.
+5. CPU only, ``cpu_triton_utils._compute_slot_mapping_kernel_impl``: vLLM's
+   C++ stand-in for the slot-mapping kernel asserts CP size 1; sharded
+   launches get the same arithmetic in torch (unsharded ones are untouched).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from vllm.logger import init_logger
+
+from .options import options_of, CPKVOptions
+
+logger = init_logger("vllm." + __name__)  # under vLLM's log config
+_INSTALLED = False
+WORKER_CLS = "vllm_cp_kv.integration.worker.ShardedKVWorker"
+
+
+def _enabled(vllm_config) -> bool:
+    return vllm_config is not None and options_of(vllm_config).enable
+
+
+def _patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_engine_config
+
+    @functools.wraps(orig)
+    def create_engine_config(self, *args, **kwargs):
+        options = CPKVOptions.from_additional_config(self.additional_config)
+        if options.enable:
+            from .checks import check_engine_args
+
+            check_engine_args(self, options)
+        return orig(self, *args, **kwargs)
+
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _patch_platform() -> None:
+    from vllm.platforms import current_platform
+
+    platform_cls = type(current_platform)
+    orig = platform_cls.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        orig(cls, vllm_config)
+        if _enabled(vllm_config):
+            from .checks import check_vllm_config
+
+            check_vllm_config(vllm_config)
+            vllm_config.parallel_config.worker_cls = WORKER_CLS
+
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _patch_backend_selector() -> None:
+    from vllm.v1.attention import selector
+
+    orig = selector._cached_get_attn_backend
+
+    @functools.wraps(orig)
+    def cached_get_attn_backend(backend, attn_selector_config, *args, **kwargs):
+        cls = orig(backend, attn_selector_config, *args, **kwargs)
+        from vllm.config import get_current_vllm_config_or_none
+
+        if (attn_selector_config.use_mla and not attn_selector_config.use_sparse
+                and _enabled(get_current_vllm_config_or_none())):
+            from .backend import sharded_backend
+
+            return sharded_backend(cls)
+        return cls
+
+    selector._cached_get_attn_backend = cached_get_attn_backend
+
+
+def _patch_cp_compat_check() -> None:
+    import importlib
+
+    from vllm.v1.worker import cp_utils
+
+    orig = cp_utils.check_attention_cp_compatibility
+
+    @functools.wraps(orig)
+    def check(vllm_config, target_layer_names=None):
+        if _enabled(vllm_config):
+            from vllm.config import get_layers_from_vllm_config
+            from vllm.model_executor.layers.attention_layer_base import (
+                AttentionLayerBase)
+
+            layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
+            keep = {name for name, layer in layers.items() if not getattr(
+                getattr(layer, "impl", None), "materializes_full_view", False)}
+            if target_layer_names is not None:
+                keep &= set(target_layer_names)
+            target_layer_names = keep
+        return orig(vllm_config, target_layer_names)
+
+    cp_utils.check_attention_cp_compatibility = check
+    for name in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # the V2 runner may not import without a GPU
+            continue
+        if hasattr(module, "check_attention_cp_compatibility"):
+            module.check_attention_cp_compatibility = check
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    _patch_engine_args()
+    _patch_platform()
+    _patch_backend_selector()
+    _patch_cp_compat_check()
+    _patch_cpu_slot_mapping()
+
+
+def _patch_cpu_slot_mapping() -> None:
+    """CPU only: vLLM's C++ stand-in for the slot-mapping Triton kernel
+    asserts ``TOTAL_CP_WORLD_SIZE == 1``; give it the sharded arithmetic.
+
+    Unsharded launches still go to vLLM's own implementation.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import torch
+    from vllm.utils import cpu_triton_utils as cpu_tl
+
+    from ..core.ownership import owned_slot_mapping
+
+    orig = cpu_tl._compute_slot_mapping_kernel_impl
+
+    @functools.wraps(orig)
+    def compute_slot_mapping(num_tokens, max_num_tokens, query_start_loc,
+                             positions, block_table, block_table_stride,
+                             slot_mapping, KV_CACHE_BLOCK_SIZE,
+                             TOTAL_CP_WORLD_SIZE=1, TOTAL_CP_RANK=0,
+                             CP_KV_CACHE_INTERLEAVE_SIZE=1, PAD_ID=-1,
+                             BLOCK_SIZE=1024):
+        if TOTAL_CP_WORLD_SIZE == 1:
+            return orig(num_tokens, max_num_tokens, query_start_loc, positions,
+                        block_table, block_table_stride, slot_mapping,
+                        KV_CACHE_BLOCK_SIZE, TOTAL_CP_WORLD_SIZE, TOTAL_CP_RANK,
+                        CP_KV_CACHE_INTERLEAVE_SIZE, PAD_ID, BLOCK_SIZE)
+        qsl = query_start_loc.long()
+        num_reqs = qsl.numel() - 1
+        counts = qsl[1:] - qsl[:-1]
+        req = torch.repeat_interleave(torch.arange(num_reqs), counts)
+        n = int(qsl[-1])
+        table = block_table.view(-1, block_table_stride)
+        slot_mapping[:n] = owned_slot_mapping(
+            positions[:n], req, table, KV_CACHE_BLOCK_SIZE, TOTAL_CP_WORLD_SIZE,
+            TOTAL_CP_RANK, CP_KV_CACHE_INTERLEAVE_SIZE, PAD_ID)
+        slot_mapping[n:max_num_tokens] = PAD_ID
+
+    cpu_tl._compute_slot_mapping_kernel_impl = compute_slot_mapping

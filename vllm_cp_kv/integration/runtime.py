@@ -1,0 +1,92 @@
+"""Per-process state of a sharded worker: shard spec, group, scratch pool.
+
+Built lazily on first use inside a worker, after vLLM has initialized its
+distributed groups. The shard group is vLLM's DCP group, which the plugin
+sets to the TP group (or, later, the PCP group).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import debug as core_debug
+from ..core.materialize import AllGatherFn, ScratchPool, gather
+from ..core.ownership import CPShardSpec
+from ..core.plan import MaterializationPlan
+from .options import debug_enabled
+
+from vllm.logger import init_logger
+
+logger = init_logger("vllm." + __name__)  # under vLLM's log config
+
+_STATE: "ShardRuntime | None" = None
+_SCRATCH_BLOCKS: int | None = None  # set by the worker from the KV budget
+
+
+def set_scratch_capacity(num_blocks: int) -> None:
+    global _SCRATCH_BLOCKS
+    _SCRATCH_BLOCKS = num_blocks
+
+
+def make_all_gather_into(group) -> AllGatherFn:
+    """All-gather into a preallocated rank-major tensor over a vLLM group."""
+    comm = group.device_communicator
+    if comm is not None and hasattr(comm, "dist_module"):
+        # CPU: vLLM's shared-memory all-gather (or torch.distributed).
+        dist_module = comm.dist_module
+        device_group = group.device_group
+
+        def run(out: torch.Tensor, inp: torch.Tensor) -> None:
+            dist_module.all_gather_into_tensor(out, inp.contiguous(),
+                                               group=device_group)
+        return run
+    import torch.distributed as dist
+
+    def run_dist(out: torch.Tensor, inp: torch.Tensor) -> None:
+        dist.all_gather_into_tensor(out, inp.contiguous(), group=group.device_group)
+    return run_dist
+
+
+class ShardRuntime:
+    """What the sharded attention impls of one worker share."""
+
+    def __init__(self, spec: CPShardSpec, group, scratch_blocks: int | None):
+        self.spec = spec
+        self.group = group
+        self.all_gather_into = make_all_gather_into(group)
+        self.pool = ScratchPool(scratch_blocks) if scratch_blocks else None
+        self.debug = debug_enabled()
+        if self.debug:
+            logger.warning("cp_kv: VLLM_CP_KV_DEBUG=1: syncing invariant checks "
+                           "are on (not for performance runs).")
+        self._memo: tuple | None = None
+        self.bytes_gathered = 0  # running total, for logs and benchmarks
+
+    def materialize(self, plan: MaterializationPlan,
+                    kv_cache: torch.Tensor) -> torch.Tensor:
+        """Full view of ``kv_cache`` for ``plan``; once per (plan, layer)."""
+        key = (plan.epoch, kv_cache.data_ptr())
+        if self._memo is not None and self._memo[0] == key:
+            return self._memo[1]
+        if self.debug:
+            core_debug.check_plan_identical(plan, self.group.cpu_group)
+            logger.info_once("cp_kv: debug invariants hold (owned writes, plan "
+                             "coverage, identical plans across ranks).")
+        scratch = self.pool.get(plan, kv_cache) if self.pool is not None else None
+        full = gather(plan, self.spec.rank, kv_cache, self.all_gather_into,
+                      scratch=scratch)
+        self.bytes_gathered += full.numel() * full.element_size()
+        self._memo = (key, full)
+        return full
+
+
+def get_runtime(block_size: int) -> ShardRuntime:
+    global _STATE
+    if _STATE is None or _STATE.spec.block_size != block_size:
+        from vllm.distributed.parallel_state import get_dcp_group
+
+        group = get_dcp_group()
+        spec = CPShardSpec(rank=group.rank_in_group, size=group.world_size,
+                           block_size=block_size)
+        _STATE = ShardRuntime(spec, group, _SCRATCH_BLOCKS)
+    return _STATE

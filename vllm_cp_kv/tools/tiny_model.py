@@ -1,0 +1,118 @@
+"""Build a tiny random-weight DeepSeek-V2 (MLA + MoE) model fully offline.
+
+Usage: python -m vllm_cp_kv.tools.tiny_model OUT_DIR [--heads-gpu]
+
+The tokenizer is a byte-level BPE trained on an inline corpus. Weights use
+``initializer_range=0.2`` so greedy outputs are diverse and depend on the
+context (with the default init a random model repeats one token, which
+would make identity tests meaningless). DeepSeek-V2 ``topk_method="greedy"``
+routing is deterministic run to run on vLLM CPU (V3's ``noaux_tc`` is not).
+The CPU MLA decode kernel needs ``kv_lora_rank + qk_rope_head_dim == 576``;
+``--heads-gpu`` uses DeepSeek head sizes (nope 128, v 128) that GPU MLA
+prefill backends require.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world, this is a tiny tokenizer for offline tests.",
+    "Context parallel prefill shards the KV cache across ranks.",
+    "Each logical block lives on exactly one rank of the shard group.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20.",
+]
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False)
+    tok.train_from_iterator(CORPUS * 40, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+
+
+def build(out_dir: str, *, gpu_heads: bool = False, num_layers: int = 3,
+          moe: bool = True, seed: int = 0) -> str:
+    """Write a model directory and return its path (skips if present)."""
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+
+    tok = build_tokenizer(700)
+    nope, v = (128, 128) if gpu_heads else (32, 32)
+    cfg = DeepseekV2Config(
+        hidden_size=384, intermediate_size=768, moe_intermediate_size=192,
+        num_hidden_layers=num_layers, num_attention_heads=6,
+        num_key_value_heads=6, q_lora_rank=None, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=nope, v_head_dim=v, head_dim=64,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1 if moe else num_layers,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+        initializer_range=0.2, topk_method="greedy", n_group=1, topk_group=1,
+        norm_topk_prob=False, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    # drop fields newer transformers releases reject on load elsewhere
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        data = json.load(f)
+    for key in ("layer_types", "mlp_layer_types"):
+        data.pop(key, None)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    return out_dir
+
+
+def build_llama(out_dir: str) -> str:
+    """A tiny non-MLA (Llama) model, for the startup check that rejects it."""
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tok = build_tokenizer(700)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=4096, vocab_size=len(tok),
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--gpu-heads", action="store_true")
+    ap.add_argument("--dense", action="store_true", help="no MoE layers")
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--llama", action="store_true", help="tiny non-MLA model")
+    a = ap.parse_args()
+    if a.llama:
+        print(build_llama(a.out_dir))
+        return
+    print(build(a.out_dir, gpu_heads=a.gpu_heads, num_layers=a.layers,
+                moe=not a.dense))
+
+
+if __name__ == "__main__":
+    main()
