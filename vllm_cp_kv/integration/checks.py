@@ -71,15 +71,15 @@ def check_engine_args(args, options: CPKVOptions) -> None:
         raise CPKVConfigError(
             f"cp_kv: a custom --worker-cls ({args.worker_cls}) cannot be combined "
             "with cp_kv, which installs its own worker; remove --worker-cls.")
+    # Before vLLM's own DCP validation, which would reject a non-MLA model
+    # with a message that does not mention cp_kv.
+    check_model(args.create_model_config())
     args.decode_context_parallel_size = size
     args.enable_prefix_caching = False
 
 
-def check_vllm_config(vllm_config) -> None:
-    """Model-level checks and late derivations (after the platform hook)."""
-    model_config = vllm_config.model_config
-    if model_config is None:
-        return
+def check_model(model_config) -> None:
+    """The model must be dense MLA (DeepSeek-V2/V3 style)."""
     if not model_config.use_mla:
         raise CPKVConfigError(
             f"cp_kv: model {model_config.model!r} does not use MLA; cp_kv shards "
@@ -90,6 +90,13 @@ def check_vllm_config(vllm_config) -> None:
         raise CPKVConfigError(
             "cp_kv: sparse-attention (DeepSeek-V3.2 indexer) models are not "
             "supported by this release; disable cp_kv for this model.")
+
+
+def check_vllm_config(vllm_config) -> None:
+    """Model-level checks and late derivations (after the platform hook)."""
+    if vllm_config.model_config is None:
+        return
+    check_model(vllm_config.model_config)
     parallel = vllm_config.parallel_config
     block_size = vllm_config.cache_config.block_size
     if block_size is None:

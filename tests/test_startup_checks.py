@@ -1,0 +1,141 @@
+"""One test per row of docs/startup-checks.md: the real vLLM config path
+(``EngineArgs.create_engine_config``, no workers) raises with the
+documented message. Also: what the plugin derives, and that nothing
+changes without the opt-in."""
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from conftest import ROOT, needs_vllm
+
+pytestmark = needs_vllm
+ON = {"cp_kv": {"enable": True}}
+
+
+def documented_messages():
+    rows = {}
+    with open(os.path.join(ROOT, "docs", "startup-checks.md")) as f:
+        for line in f:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) == 4 and re.fullmatch(r"[a-z][a-z0-9-]*", cells[0]) and cells[0] != "row":
+                rows[cells[0]] = re.findall(r"`([^`]+)`", cells[2])
+    return rows
+
+
+DOC = documented_messages()
+
+
+def config(model, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(model=model, tensor_parallel_size=2, max_model_len=512,
+                additional_config=ON)
+    args.update(kw)
+    return EngineArgs(**args).create_engine_config()
+
+
+def expect_row(row, model, **kw):
+    with pytest.raises(ValueError) as info:
+        config(model, **kw)
+    msg = str(info.value)
+    assert any(m in msg for m in DOC[row]), (row, msg)
+    assert "cp_kv" in msg
+
+
+@pytest.fixture(scope="module")
+def sparse_model(tiny_dsv2, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("sparse") / "tiny-sparse")
+    shutil.copytree(tiny_dsv2, d)
+    path = os.path.join(d, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["index_topk"] = 64
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def test_every_documented_row_has_a_test():
+    tested = {name[len("test_row_"):].replace("_", "-")
+              for name in globals() if name.startswith("test_row_")}
+    assert tested == set(DOC), (sorted(tested), sorted(DOC))
+
+
+def test_row_non_mla(tiny_llama):
+    expect_row("non-mla", tiny_llama, tensor_parallel_size=4)
+
+
+def test_row_sparse(sparse_model):
+    expect_row("sparse", sparse_model)
+
+
+def test_row_group_size_1(tiny_dsv2):
+    expect_row("group-size-1", tiny_dsv2, tensor_parallel_size=1)
+
+
+def test_row_pcp(tiny_dsv2):
+    expect_row("pcp", tiny_dsv2, prefill_context_parallel_size=2)
+
+
+def test_row_pp(tiny_dsv2):
+    expect_row("pp", tiny_dsv2, pipeline_parallel_size=2)
+
+
+def test_row_dcp_mismatch(tiny_dsv2):
+    expect_row("dcp-mismatch", tiny_dsv2, tensor_parallel_size=4,
+               decode_context_parallel_size=2)
+
+
+def test_row_interleave_vs_block_size(tiny_dsv2):
+    expect_row("interleave-vs-block-size", tiny_dsv2, block_size=32,
+               cp_kv_cache_interleave_size=16)
+
+
+def test_row_interleave_vs_platform_block_size(tiny_dsv2):
+    expect_row("interleave-vs-platform-block-size", tiny_dsv2,
+               cp_kv_cache_interleave_size=8)
+
+
+def test_row_prefix_caching(tiny_dsv2):
+    expect_row("prefix-caching", tiny_dsv2, enable_prefix_caching=True)
+
+
+def test_row_spec_decode(tiny_dsv2):
+    expect_row("spec-decode", tiny_dsv2, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+
+
+def test_row_worker_cls(tiny_dsv2):
+    expect_row("worker-cls", tiny_dsv2, worker_cls="my.pkg.Worker")
+
+
+def test_row_bad_option(tiny_dsv2):
+    expect_row("bad-option", tiny_dsv2, additional_config={"cp_kv": {"enable": True, "shards": 2}})
+    expect_row("bad-option", tiny_dsv2, additional_config={"cp_kv": {"enable": "yes"}})
+
+
+def test_derived_settings(tiny_dsv2):
+    from vllm_cp_kv.integration.plugin import WORKER_CLS
+
+    cfg = config(tiny_dsv2, block_size=32)
+    p = cfg.parallel_config
+    assert p.decode_context_parallel_size == 2
+    assert p.cp_kv_cache_interleave_size == cfg.cache_config.block_size == 32
+    assert p.worker_cls == WORKER_CLS
+    assert cfg.cache_config.enable_prefix_caching is False
+
+
+def test_nothing_changes_without_the_opt_in(tiny_dsv2):
+    from vllm_cp_kv.integration.plugin import WORKER_CLS
+
+    for extra in ({}, {"cp_kv": {"enable": False}}):
+        cfg = config(tiny_dsv2, additional_config=extra)
+        assert cfg.parallel_config.decode_context_parallel_size == 1
+        assert cfg.parallel_config.cp_kv_cache_interleave_size == 1
+        assert cfg.parallel_config.worker_cls != WORKER_CLS
+    # a non-MLA model and TP=1 are fine without the opt-in
+    config(tiny_dsv2, tensor_parallel_size=1, additional_config={})
