@@ -3,7 +3,8 @@
 Steps, all with the plan frozen for the batch:
 
 1. ``pack``: copy the owned blocks this rank sends into a contiguous buffer
-   (``index_select`` here; Triton on GPU where it beats it).
+   (:func:`~vllm_cp_kv.core.kernels.pack_blocks`: Triton on GPU, torch
+   ``index_select`` elsewhere).
 2. ``gather``: one all-gather of the same size on every rank into the
    scratch full view, rank-major (``scratch[r * P + i]``).
 3. ``write_new``: the tokens computed this step go into the scratch at
@@ -20,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from .kernels import pack_blocks, scatter_rows
 from .plan import MaterializationPlan
 
 # all_gather_into(out, inp): out has shape [N * inp.shape[0], *inp.shape[1:]]
@@ -37,9 +39,7 @@ def pack(plan: MaterializationPlan, rank: int, kv_cache: torch.Tensor,
     ids = plan.send_block_ids[rank]
     if ids.device != kv_cache.device:
         ids = ids.to(kv_cache.device)
-    if out is None:
-        return kv_cache.index_select(0, ids)
-    return torch.index_select(kv_cache, 0, ids, out=out)
+    return pack_blocks(kv_cache, ids, out=out)
 
 
 def gather(plan: MaterializationPlan, rank: int, kv_cache: torch.Tensor,
@@ -51,7 +51,6 @@ def gather(plan: MaterializationPlan, rank: int, kv_cache: torch.Tensor,
         ``[N * P, *kv_cache.shape[1:]]`` scratch; block ``plan.full_block_table
         [req, j]`` is logical block ``j`` of request ``req``.
     """
-    local = pack(plan, rank, kv_cache)
     n = plan.spec.size * plan.blocks_per_rank
     if scratch is None:
         scratch = torch.empty((n, *kv_cache.shape[1:]), dtype=kv_cache.dtype,
@@ -62,6 +61,10 @@ def gather(plan: MaterializationPlan, rank: int, kv_cache: torch.Tensor,
             f"shape {tuple(kv_cache.shape[1:])}; re-plan or enlarge the pool.")
     else:
         scratch = scratch[:n]
+    # pack straight into this rank's own slice: NCCL gathers in place
+    per_rank = plan.blocks_per_rank
+    local = scratch[rank * per_rank:(rank + 1) * per_rank]
+    pack(plan, rank, kv_cache, out=local)
     all_gather_into(scratch, local)
     return scratch
 
@@ -75,8 +78,9 @@ def write_new(scratch: torch.Tensor, block_size: int,
         scratch_slots: ``[T]`` from ``plan.scratch_slot_mapping``.
         new_kv: ``[T, D]`` rows in the cache's dtype.
     """
-    flat = scratch.view(-1, *scratch.shape[2:])
-    flat.index_copy_(0, scratch_slots.to(flat.device), new_kv.to(flat.dtype))
+    assert scratch.shape[1] == block_size
+    scatter_rows(scratch, scratch_slots.to(scratch.device),
+                 new_kv.to(scratch.dtype))
 
 
 def all_gather_into_fn(group=None) -> AllGatherFn:
@@ -85,10 +89,11 @@ def all_gather_into_fn(group=None) -> AllGatherFn:
 
     def run(out: torch.Tensor, inp: torch.Tensor) -> None:
         if dist.get_backend(group) == "gloo":
-            dist.all_gather(list(out.chunk(dist.get_world_size(group))), inp,
-                            group=group)
+            parts = list(out.chunk(dist.get_world_size(group)))
+            inp = inp.clone() if any(p.data_ptr() == inp.data_ptr() for p in parts) else inp
+            dist.all_gather(parts, inp, group=group)
         else:
-            dist.all_gather_into_tensor(out, inp.contiguous(), group=group)
+            dist.all_gather_into_tensor(out, inp, group=group)
 
     return run
 
@@ -118,3 +123,55 @@ class ScratchPool:
                               dtype=like.dtype, device=like.device)
             self._buffers[key] = buf
         return buf[:n]
+
+
+class LayerPrefetcher:
+    """Gather layer ``l + 1``'s full view on a side stream while layer ``l``
+    computes (GPU). Two scratch buffers alternate between layers.
+
+    Lifecycle per batch, on every rank (collectives must match)::
+
+        pf = LayerPrefetcher(plan, rank, all_gather_into, buffers)
+        pf.start(0, caches[0])
+        for l in range(L):
+            if l + 1 < L:
+                pf.start(l + 1, caches[l + 1])   # overlaps layer l
+            view = pf.wait(l)                    # main stream waits here only
+            ... attention of layer l on ``view`` ...
+            pf.release(l)                        # buffer may be refilled
+
+    ``buffers`` are two tensors of at least ``plan.num_scratch_blocks``
+    blocks. The history gather never waits for this step's KV: write the
+    new rows with :func:`write_new` after :meth:`wait`.
+    """
+
+    def __init__(self, plan: MaterializationPlan, rank: int,
+                 all_gather_into: AllGatherFn, buffers: list[torch.Tensor],
+                 stream: "torch.cuda.Stream | None" = None):
+        assert len(buffers) == 2, "double buffering needs two buffers"
+        self.plan, self.rank, self.all_gather_into = plan, rank, all_gather_into
+        self.buffers = buffers
+        self.stream = stream or torch.cuda.Stream(device=buffers[0].device)
+        self.ready = [torch.cuda.Event(), torch.cuda.Event()]
+        self.free = [None, None]  # events: attention done with the buffer
+        self.views: dict[int, torch.Tensor] = {}
+
+    def start(self, layer: int, kv_cache: torch.Tensor) -> None:
+        k = layer % 2
+        main = torch.cuda.current_stream(kv_cache.device)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_stream(main)  # the cache and ids are ready
+            if self.free[k] is not None:
+                self.stream.wait_event(self.free[k])
+            self.views[layer] = gather(self.plan, self.rank, kv_cache,
+                                       self.all_gather_into, scratch=self.buffers[k])
+            self.ready[k].record(self.stream)
+
+    def wait(self, layer: int) -> torch.Tensor:
+        torch.cuda.current_stream().wait_event(self.ready[layer % 2])
+        return self.views.pop(layer)
+
+    def release(self, layer: int) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        self.free[layer % 2] = event

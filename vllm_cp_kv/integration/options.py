@@ -24,6 +24,8 @@ class CPKVOptions:
     # Upper bound of scratch blocks per layer; 0 = derive the exact worst case
     # from max_num_seqs, max_model_len and the KV budget.
     max_scratch_blocks: int = 0
+    # Collect only sampled rows at the end of a PCP prefill (V2 GPU runner).
+    last_token_gather: bool = True
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> "CPKVOptions":

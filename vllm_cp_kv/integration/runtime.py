@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..core import debug as core_debug
-from ..core.materialize import AllGatherFn, ScratchPool, gather
+from ..core.materialize import AllGatherFn, ScratchPool, all_gather_into_fn, gather
 from ..core.ownership import CPShardSpec
 from ..core.plan import MaterializationPlan
 from .options import debug_enabled
@@ -37,14 +37,10 @@ def make_all_gather_into(group) -> AllGatherFn:
         device_group = group.device_group
 
         def run(out: torch.Tensor, inp: torch.Tensor) -> None:
-            dist_module.all_gather_into_tensor(out, inp.contiguous(),
-                                               group=device_group)
+            # the shared-memory all-gather does not allow an in-place input
+            dist_module.all_gather_into_tensor(out, inp.clone(), group=device_group)
         return run
-    import torch.distributed as dist
-
-    def run_dist(out: torch.Tensor, inp: torch.Tensor) -> None:
-        dist.all_gather_into_tensor(out, inp.contiguous(), group=group.device_group)
-    return run_dist
+    return all_gather_into_fn(group.device_group)
 
 
 class ShardRuntime:

@@ -42,3 +42,13 @@ class ShardedKVWorker(_PlatformWorker):
             "(%.1f MiB) reserved from a KV budget of %.1f MiB.", size, blocks,
             blocks * page_bytes / 2**20, available / 2**20)
         return available - blocks * page_bytes
+
+    def _make_model_runner(self):
+        """GPU V2 runner: select the last-token PCP manager (see last_token.py)."""
+        cfg = self.vllm_config
+        if (getattr(self, "use_v2_model_runner", False) and not cfg.is_mm_encoder_only
+                and options_of(cfg).last_token_gather):
+            from .last_token import make_runner_cls
+
+            return make_runner_cls()(cfg, self.device)
+        return super()._make_model_runner()

@@ -1,0 +1,92 @@
+"""Last-token gather at the end of a context-parallel prefill.
+
+Under prefill context parallelism each rank holds the hidden states of its
+own chunks. vLLM restores the global batch with one all-gather of every
+token (``full = all_gather(local)[restore_idx]``), although sampling reads
+only ``full[logits_indices]``. This module collects just those rows:
+
+    src_rank[b] = restore_idx[logits_indices[b]] // local_rows
+    src_row[b]  = restore_idx[logits_indices[b]] %  local_rows
+    rank r fills buf[b] = local[src_row[b]] where src_rank[b] == r, else 0
+    gathered = all_gather(buf)                       # [N, B, H], one collective
+    out[b]   = gathered[src_rank[b], b]              # == full[logits_indices[b]]
+
+It only needs the split's index map (``restore_idx``: global token ->
+position in the rank-major gathered tensor), so any split works: vLLM's
+DualChunkSwap zigzag or a plain round-robin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .materialize import AllGatherFn
+
+
+@dataclass(frozen=True)
+class SampledRowsPlan:
+    """Where each sampled row lives. Shapes: ``B`` sampled rows.
+
+    Attributes:
+        src_rank: ``[B]`` int64, the rank holding each row.
+        src_row: ``[B]`` int64, its row in that rank's local hidden states.
+        local_rows: rows of every rank's local hidden-state tensor.
+    """
+
+    src_rank: torch.Tensor
+    src_row: torch.Tensor
+    local_rows: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.src_rank.numel()
+
+
+def plan_sampled_rows(restore_idx: torch.Tensor, logits_indices: torch.Tensor,
+                      local_rows: int) -> SampledRowsPlan:
+    """Args:
+        restore_idx: ``[T]`` int, global token -> index into the rank-major
+            gathered tensor of ``N * local_rows`` rows.
+        logits_indices: ``[B]`` int, global tokens that are sampled.
+        local_rows: rows per rank in the gather (padding included).
+    """
+    pos = restore_idx.long()[logits_indices.long()]
+    return SampledRowsPlan(src_rank=pos // local_rows, src_row=pos % local_rows,
+                           local_rows=local_rows)
+
+
+def gather_sampled_rows(plan: SampledRowsPlan, rank: int, world_size: int,
+                        local_hidden: torch.Tensor,
+                        all_gather_into: AllGatherFn) -> torch.Tensor:
+    """Rows ``full[logits_indices]`` with one ``[N, B, H]`` all-gather.
+
+    Args:
+        local_hidden: ``[local_rows, H]`` this rank's hidden states.
+    Returns:
+        ``[B, H]``, bitwise equal to the full gather's rows.
+    """
+    assert local_hidden.shape[0] == plan.local_rows, (
+        f"local hidden states have {local_hidden.shape[0]} rows, the plan "
+        f"expects {plan.local_rows}; re-plan for this batch.")
+    num_rows, hidden = plan.num_rows, local_hidden.shape[1]
+    src_rank = plan.src_rank.to(local_hidden.device)
+    src_row = plan.src_row.to(local_hidden.device)
+    mine = src_rank == rank
+    buf = local_hidden.new_zeros((num_rows, hidden))
+    buf[mine] = local_hidden[src_row[mine]]
+    gathered = local_hidden.new_empty((world_size * num_rows, hidden))
+    all_gather_into(gathered, buf)
+    rows = torch.arange(num_rows, device=local_hidden.device)
+    return gathered.view(world_size, num_rows, hidden)[src_rank, rows]
+
+
+def narrow_bytes(world_size: int, num_rows: int, hidden: int, elem: int) -> int:
+    """Bytes each rank receives on the narrow path."""
+    return world_size * num_rows * hidden * elem
+
+
+def full_bytes(world_size: int, local_rows: int, hidden: int, elem: int) -> int:
+    """Bytes each rank receives on vLLM's full path."""
+    return world_size * local_rows * hidden * elem

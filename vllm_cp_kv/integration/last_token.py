@@ -1,0 +1,113 @@
+"""Last-token gather for vLLM's V2 model runner (prefill context parallel).
+
+:class:`LastTokenPCPManager` subclasses vLLM's ``PCPManager``; the runner
+below selects it through ``GPUModelRunner.pcp_manager_cls`` (vLLM's own hook
+for this). Per batch it decides between
+
+* **narrow**: collect only the sampled rows (``cp_size x rows x hidden``,
+  one all-gather; :mod:`vllm_cp_kv.core.last_token`), and
+* **full**: vLLM's own all-gather of every token, needed when any request
+  asks for prompt logprobs, with speculative decoding (drafters consume the
+  target's hidden states), or when hidden states are captured (aux hidden
+  states, EAGLE-3).
+
+The decision depends only on the batch and the config, which are identical
+on every rank, so all ranks take the same path.
+
+On the narrow path the returned tensor keeps the full path's shape
+(``[num_tokens, hidden]``) with only the sampled rows written; the sampler
+reads exactly those rows. With ``VLLM_CP_KV_DEBUG=1`` the other rows are NaN
+so a reader of unsampled rows shows up at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm.distributed.parallel_state import get_pcp_group
+from vllm.logger import init_logger
+from vllm.v1.worker.gpu.pcp_manager import PCPManager
+
+from ..core.last_token import (full_bytes, gather_sampled_rows, narrow_bytes,
+                               plan_sampled_rows)
+from .options import debug_enabled
+from .runtime import make_all_gather_into
+
+logger = init_logger("vllm." + __name__)  # under vLLM's log config
+
+
+class LastTokenPCPManager(PCPManager):
+    """``PCPManager`` whose ``restore_for_sampling`` moves only sampled rows."""
+
+    def full_gather_reason(self, input_batch, aux_hidden_states) -> str | None:
+        """Why this batch needs every row (``None``: narrow is enough).
+
+        The runner-bound subclass adds prompt logprobs and speculative
+        decoding; here only what the manager itself sees.
+        """
+        if aux_hidden_states is not None:
+            return "hidden-state capture"
+        return None
+
+    def restore_for_sampling(self, hidden_states: torch.Tensor,
+                             aux_hidden_states: list[torch.Tensor] | None):
+        batch = self.global_batch
+        reason = self.full_gather_reason(batch, aux_hidden_states)
+        restore_idx = self._hidden_restore_idx
+        group = get_pcp_group()
+        size, hidden = group.world_size, hidden_states.shape[1]
+        elem = hidden_states.element_size()
+        full = full_bytes(size, hidden_states.shape[0], hidden, elem)
+        if reason is not None or restore_idx is None:
+            self.last_path, self.last_bytes = "full", full
+            logger.debug("cp_kv last-token gather: full path (%s), %d bytes",
+                         reason or "no PCP layout", full)
+            return super().restore_for_sampling(hidden_states, aux_hidden_states)
+        logits_indices = batch.logits_indices
+        plan = plan_sampled_rows(restore_idx, logits_indices, hidden_states.shape[0])
+        rows = gather_sampled_rows(plan, group.rank_in_group, size, hidden_states,
+                                   make_all_gather_into(group))
+        out = hidden_states.new_empty((restore_idx.shape[0], hidden))
+        if debug_enabled():
+            out.fill_(float("nan"))
+        out[logits_indices] = rows
+        narrow = narrow_bytes(size, plan.num_rows, hidden, elem)
+        self.last_path, self.last_bytes = "narrow", narrow
+        logger.debug("cp_kv last-token gather: narrow path, %d bytes instead of "
+                     "%d (saved %d)", narrow, full, full - narrow)
+        return out, aux_hidden_states, batch
+
+
+def runner_full_gather_reason(runner, input_batch) -> str | None:
+    """Reasons only the model runner can see."""
+    worker = getattr(runner, "prompt_logprobs_worker", None)
+    if worker is not None and np.any(
+            worker.uses_prompt_logprobs[input_batch.idx_mapping_np]):
+        return "prompt logprobs"
+    if getattr(runner, "speculator", None) is not None:
+        return "speculative decoding"
+    return None
+
+
+def bound_manager_cls(runner) -> type[LastTokenPCPManager]:
+    """A manager class that also asks ``runner`` (prompt logprobs, drafts)."""
+
+    class RunnerBoundPCPManager(LastTokenPCPManager):
+        def full_gather_reason(self, input_batch, aux_hidden_states):
+            return (super().full_gather_reason(input_batch, aux_hidden_states)
+                    or runner_full_gather_reason(runner, input_batch))
+
+    return RunnerBoundPCPManager
+
+
+def make_runner_cls():
+    """vLLM's V2 GPU model runner selecting the last-token manager."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    class ShardedKVModelRunner(GPUModelRunner):
+        @property
+        def pcp_manager_cls(self):
+            return bound_manager_cls(self)
+
+    return ShardedKVModelRunner
