@@ -32,6 +32,7 @@ from vllm_cp_kv.core.materialize import (LayerPrefetcher, all_gather_into_fn,  #
 from vllm_cp_kv.core.ownership import CPShardSpec  # noqa: E402
 from vllm_cp_kv.core.plan import brute_force_full_view, plan_materialization  # noqa: E402
 
+LOW_CTAS = 2  # NCCL CTAs of the prefetch communicator in the overlap test
 BS = 64  # GPU MLA block size (FlashMLA / sparse backends)
 LAYOUTS = {  # name: (per-block shape, dtype)
     "bf16_latent": ((BS, 576), torch.bfloat16),
@@ -125,13 +126,31 @@ def bandwidth(rank, n, fn, results):
     for name, tri in (("pack_triton", True), ("pack_index_select", False)):
         t = time_ms(lambda: pack_blocks(cache, ids, out=out, use_triton=tri), sync_group=False)
         results[f"{name}_GBps"] = 2 * ids.numel() * block_bytes / t / 1e6
-    # scatter 1 GiB of new rows (576 bf16 each) into random slots, 1/N kept
+    # scatter 1 GiB of new rows (576 bf16 each): into whole blocks in random
+    # block order (a prefill chunk's tokens fill consecutive slots of their
+    # blocks), and into fully random slots (worst case)
     rows_n = gib // 1152
     rows = torch.randn((rows_n, 576), device=dev, dtype=torch.bfloat16)
-    slots = torch.randperm(nblk * BS, device=dev)[:rows_n]
-    for name, tri in (("scatter_triton", True), ("scatter_torch", False)):
-        t = time_ms(lambda: scatter_rows(cache, slots, rows, use_triton=tri), sync_group=False)
-        results[f"{name}_GBps"] = 2 * rows_n * 1152 / t / 1e6
+    blocks = torch.randperm(nblk, device=dev)[: rows_n // BS]
+    patterns = {"blocks": (blocks[:, None] * BS + torch.arange(BS, device=dev)).flatten(),
+                "random": torch.randperm(nblk * BS, device=dev)[:rows_n]}
+    sweep = []
+    for pname, slots in patterns.items():
+        n_rows = slots.numel()
+        t = time_ms(lambda: scatter_rows(cache, slots, rows[:n_rows], use_triton=False),
+                    sync_group=False)
+        results[f"scatter_torch_{pname}_GBps"] = 2 * n_rows * 1152 / t / 1e6
+        for rpp, chunk in ((1, 256), (2, 256), (4, 256), (8, 128), (16, 64)):
+            t = time_ms(lambda: scatter_rows(cache, slots, rows[:n_rows], use_triton=True,
+                                             rows_per_program=rpp, chunk=chunk), sync_group=False)
+            sweep.append({"pattern": pname, "rows_per_program": rpp, "chunk": chunk,
+                          "GBps": 2 * n_rows * 1152 / t / 1e6})
+        t = time_ms(lambda: scatter_rows(cache, slots, rows[:n_rows], use_triton=True),
+                    sync_group=False)
+        results[f"scatter_triton_{pname}_GBps"] = 2 * n_rows * 1152 / t / 1e6
+    results["scatter_sweep"] = sweep
+    results["scatter_triton_GBps"] = results["scatter_triton_blocks_GBps"]
+    results["scatter_torch_GBps"] = results["scatter_torch_blocks_GBps"]
     del cache, out, rows, src, dst
     torch.cuda.empty_cache()
     # gather vs plain all_gather_into_tensor at the same bytes per rank
@@ -157,14 +176,38 @@ def bandwidth(rank, n, fn, results):
         t_mat = time_ms(lambda: gather(plan, rank, cache, fn, scratch=scratch))
         own = scratch[rank * plan.blocks_per_rank:(rank + 1) * plan.blocks_per_rank]
         t_coll = time_ms(lambda: fn(scratch, own))
-        bus = lambda t: (n - 1) / n * n * nbytes / t / 1e6  # noqa: E731
+        # the same two, captured in CUDA graphs (no host launch gaps)
+        t_plain_g = graph_time(lambda: dist.all_gather_into_tensor(flat_out, flat_in))
+        t_mat_g = graph_time(lambda: gather(plan, rank, cache, fn, scratch=scratch))
+        bus = lambda t: (n - 1) / n * n * nbytes / t / 1e6 if t else None  # noqa: E731
         rows_out.append({"MiB_per_rank": nbytes / 2**20, "plain_busbw_GBps": bus(t_plain),
                          "materialize_busbw_GBps": bus(t_mat),
                          "collective_only_busbw_GBps": bus(t_coll),
+                         "plain_graph_busbw_GBps": bus(t_plain_g),
+                         "materialize_graph_busbw_GBps": bus(t_mat_g),
                          "ratio_materialize_vs_plain": t_plain / t_mat,
-                         "ratio_collective_vs_plain": t_plain / t_coll})
+                         "ratio_collective_vs_plain": t_plain / t_coll,
+                         "ratio_graph": (t_plain_g / t_mat_g) if t_mat_g and t_plain_g else None})
         del cache, scratch, flat_in, flat_out
         torch.cuda.empty_cache()
+
+
+def graph_time(body, replays: int = 10):
+    """Median time of ``body`` captured in a CUDA graph (None if capture fails)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()  # warm up on the capture stream
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        return time_ms(graph.replay, iters=replays)
+    except Exception as e:  # capture not supported here
+        print("graph capture failed:", type(e).__name__, str(e)[:200])
+        return None
 
 
 def overlap(rank, n, fn, results, layers=4):
@@ -172,6 +215,16 @@ def overlap(rank, n, fn, results, layers=4):
     v 128 padded to 192 as vLLM does for FA), 8K-token chunk on C context."""
     dev = torch.device("cuda", rank)
     heads, dqk, chunk = 128, 192, 8192
+    # a communicator for the prefetch that uses few SMs (CTAs): an all-gather
+    # waiting for its peer spins on its SMs, which attention then lacks
+    try:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = LOW_CTAS
+        low_cta_fn = all_gather_into_fn(dist.new_group(list(range(n)), pg_options=opts))
+        results["low_ctas"] = LOW_CTAS
+    except Exception as e:  # older torch without NCCL config options
+        print("low-CTA group unavailable:", e)
+        low_cta_fn, results["low_ctas"] = fn, None
     out_rows = []
     for ctx in (8192, 32768, 131072):
         q = torch.randn((1, heads, chunk, dqk), device=dev, dtype=torch.bfloat16)
@@ -187,6 +240,7 @@ def overlap(rank, n, fn, results, layers=4):
         bufs = [torch.empty((plan.num_scratch_blocks, BS, 576), device=dev,
                             dtype=torch.bfloat16) for _ in range(2)]
         pf = LayerPrefetcher(plan, rank, fn, bufs)
+        pf_low = LayerPrefetcher(plan, rank, low_cta_fn, bufs)
         new_slots = plan.scratch_slot_mapping(torch.zeros(chunk, dtype=torch.long, device=dev),
                                               torch.arange(ctx - chunk, ctx, device=dev))
         new_rows = torch.randn((chunk, 576), device=dev, dtype=torch.bfloat16)
@@ -198,15 +252,15 @@ def overlap(rank, n, fn, results, layers=4):
             for _ in range(layers):
                 attention()
 
-        def prefetched():
-            pf.start(0, caches[0])
+        def prefetched(p=pf):
+            p.start(0, caches[0])
             for layer in range(layers):
                 if layer + 1 < layers:
-                    pf.start(layer + 1, caches[layer + 1])
-                view = pf.wait(layer)
+                    p.start(layer + 1, caches[layer + 1])
+                view = p.wait(layer)
                 write_new(view, BS, new_slots, new_rows)
                 attention()
-                pf.release(layer)
+                p.release(layer)
 
         def serial():
             for layer in range(layers):
@@ -217,12 +271,15 @@ def overlap(rank, n, fn, results, layers=4):
         iters = 5 if ctx > 32768 else 10
         t_base = time_ms(baseline, iters=iters, warmup=2)
         t_pref = time_ms(prefetched, iters=iters, warmup=2)
+        t_pref_low = time_ms(lambda: prefetched(pf_low), iters=iters, warmup=2)
         t_ser = time_ms(serial, iters=iters, warmup=2)
         t_base2 = time_ms(baseline, iters=iters, warmup=1)  # noise estimate
         out_rows.append({"context": ctx, "chunk": chunk, "layers": layers,
                          "baseline_ms": t_base, "baseline_repeat_ms": t_base2,
                          "prefetched_ms": t_pref, "serial_ms": t_ser,
+                         "prefetched_low_cta_ms": t_pref_low,
                          "ratio_prefetched": t_pref / min(t_base, t_base2),
+                         "ratio_prefetched_low_cta": t_pref_low / min(t_base, t_base2),
                          "ratio_serial": t_ser / min(t_base, t_base2),
                          "gather_MiB_per_rank_per_layer":
                              plan.blocks_per_rank * BS * 1152 / 2**20})
@@ -249,18 +306,24 @@ def print_table(r):
     print(f"correctness: {sum(r['correctness'].values())}/{len(r['correctness'])} bit-exact"
           + (f"  FAILED: {bad}" if bad else ""))
     print(f"HBM copy {r['hbm_copy_GBps']:.0f} GB/s | pack triton {r['pack_triton_GBps']:.0f} "
-          f"index_select {r['pack_index_select_GBps']:.0f} | scatter triton "
-          f"{r['scatter_triton_GBps']:.0f} torch {r['scatter_torch_GBps']:.0f} GB/s")
+          f"index_select {r['pack_index_select_GBps']:.0f} | scatter triton blocks "
+          f"{r['scatter_triton_blocks_GBps']:.0f} random {r['scatter_triton_random_GBps']:.0f}"
+          f" torch blocks {r['scatter_torch_blocks_GBps']:.0f} GB/s")
+    best = max(r["scatter_sweep"], key=lambda x: x["GBps"] if x["pattern"] == "blocks" else 0)
+    print("scatter sweep:", " ".join(f"{x['pattern'][0]}{x['rows_per_program']}x{x['chunk']}="
+                                     f"{x['GBps']:.0f}" for x in r["scatter_sweep"]), "best", best)
     if r["world_size"] < 2:
         print("gather bandwidth: not measured (one GPU; the gather is a local copy)")
-    print("MiB/rank  plain busbw  materialize  collective-only  (GB/s)")
+    print("MiB/rank  plain  materialize  collective-only  plain(graph)  materialize(graph)  busbw GB/s")
+    f = lambda v: f"{v:.0f}" if v else "-"  # noqa: E731
     for g in r["gather"]:
-        print(f"{g['MiB_per_rank']:8.0f}  {g['plain_busbw_GBps']:11.0f}  "
-              f"{g['materialize_busbw_GBps']:11.0f}  {g['collective_only_busbw_GBps']:15.0f}")
-    print("context  baseline ms  prefetched ms  ratio  serial ratio")
+        print(f"{g['MiB_per_rank']:8.0f}  {f(g['plain_busbw_GBps']):>5}  {f(g['materialize_busbw_GBps']):>11}"
+              f"  {f(g['collective_only_busbw_GBps']):>15}  {f(g['plain_graph_busbw_GBps']):>12}"
+              f"  {f(g['materialize_graph_busbw_GBps']):>18}")
+    print(f"context  baseline ms  prefetched ms  ratio  ratio({r.get('low_ctas')} CTAs)  serial ratio")
     for o in r["overlap"]:
         print(f"{o['context']:7d}  {o['baseline_ms']:11.2f}  {o['prefetched_ms']:13.2f}  "
-              f"{o['ratio_prefetched']:.3f}  {o['ratio_serial']:.3f}")
+              f"{o['ratio_prefetched']:.3f}  {o['ratio_prefetched_low_cta']:.3f}  {o['ratio_serial']:.3f}")
 
 
 if __name__ == "__main__":

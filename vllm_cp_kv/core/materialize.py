@@ -87,14 +87,17 @@ def all_gather_into_fn(group=None) -> AllGatherFn:
     """torch.distributed all-gather into a rank-major tensor (NCCL or gloo)."""
     import torch.distributed as dist
 
-    def run(out: torch.Tensor, inp: torch.Tensor) -> None:
-        if dist.get_backend(group) == "gloo":
-            parts = list(out.chunk(dist.get_world_size(group)))
+    if dist.get_backend(group) == "gloo":  # no all_gather_into_tensor there
+        size = dist.get_world_size(group)
+
+        def run_gloo(out: torch.Tensor, inp: torch.Tensor) -> None:
+            parts = list(out.chunk(size))
             inp = inp.clone() if any(p.data_ptr() == inp.data_ptr() for p in parts) else inp
             dist.all_gather(parts, inp, group=group)
-        else:
-            dist.all_gather_into_tensor(out, inp, group=group)
+        return run_gloo
 
+    def run(out: torch.Tensor, inp: torch.Tensor) -> None:
+        dist.all_gather_into_tensor(out, inp, group=group)
     return run
 
 

@@ -1,0 +1,115 @@
+"""Transfer manifests for disaggregated prefill with sharded KV.
+
+Each prefill rank of a shard group sends only the blocks it owns, each with
+its explicit logical position in the request; a decode instance without
+sharding writes logical block ``j`` into its own block-table slot ``j``.
+
+    manifest of rank r = [(j, remote_block)] for every logical block j of
+                         the request with owner(j) == r,
+                         remote_block = virtual_table[j // N]     (on rank r)
+
+The receiver checks every entry (:func:`validate_manifest`) before any byte
+moves, checks that the union over ranks fills each position exactly once
+(:func:`check_complete`), and merges entries whose remote and local blocks are
+both consecutive into one read (:func:`merge_runs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ownership import num_logical_blocks
+
+
+class ManifestError(ValueError):
+    """Transfer metadata that must not be acted on."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """``num_blocks`` consecutive blocks: remote ``remote_start..`` ->
+    local ``local_start..`` (logical blocks ``logical_start..``)."""
+
+    logical_start: int
+    remote_start: int
+    local_start: int
+    num_blocks: int
+
+
+def owned_manifest(rank: int, size: int, block_size: int,
+                   virtual_table: list[int], num_tokens: int) -> list[tuple[int, int]]:
+    """What prefill rank ``rank`` sends: ``[(logical_block, remote_block)]``."""
+    n = num_logical_blocks(num_tokens, block_size)
+    if -(-n // size) > len(virtual_table):
+        raise ManifestError(
+            f"{num_tokens} tokens need {-(-n // size)} virtual blocks, the table "
+            f"has {len(virtual_table)}.")
+    return [(j, int(virtual_table[j // size])) for j in range(rank, n, size)]
+
+
+def validate_manifest(entries, rank: int, size: int, num_blocks_total: int,
+                      remote_num_blocks: int) -> list[tuple[int, int]]:
+    """Bounds- and ownership-check one rank's manifest.
+
+    Args:
+        entries: ``[(logical_block, remote_block)]`` as received.
+        num_blocks_total: logical blocks of the request.
+        remote_num_blocks: physical blocks in the sender's cache.
+    Returns:
+        The entries as int pairs, sorted by logical block.
+    """
+    out = []
+    seen = set()
+    try:
+        pairs = [(int(j), int(b)) for j, b in entries]
+    except (TypeError, ValueError) as e:
+        raise ManifestError(f"malformed manifest from rank {rank}: {e}") from None
+    for j, b in pairs:
+        if not 0 <= j < num_blocks_total:
+            raise ManifestError(
+                f"rank {rank} sent logical block {j}, outside 0..{num_blocks_total - 1}.")
+        if j % size != rank:
+            raise ManifestError(
+                f"rank {rank} sent logical block {j}, which rank {j % size} owns "
+                f"(rule j % {size}).")
+        if not 0 <= b < remote_num_blocks:
+            raise ManifestError(
+                f"rank {rank} sent block id {b} for logical block {j}, outside its "
+                f"cache of {remote_num_blocks} blocks.")
+        if j in seen:
+            raise ManifestError(f"rank {rank} sent logical block {j} twice.")
+        seen.add(j)
+        out.append((j, b))
+    return sorted(out)
+
+
+def check_complete(manifests: dict[int, list[tuple[int, int]]],
+                   num_blocks_total: int) -> None:
+    """Every logical position is delivered by exactly one rank."""
+    count = [0] * num_blocks_total
+    for entries in manifests.values():
+        for j, _ in entries:
+            count[j] += 1
+    missing = [j for j, c in enumerate(count) if c == 0]
+    twice = [j for j, c in enumerate(count) if c > 1]
+    if missing or twice:
+        raise ManifestError(
+            f"manifests do not cover the request exactly once: missing logical "
+            f"blocks {missing[:8]}, duplicated {twice[:8]}.")
+
+
+def merge_runs(entries: list[tuple[int, int]], local_block_ids: list[int]) -> list[Run]:
+    """Merge entries (sorted by logical block) into maximal runs where both
+    the remote and the local block ids are consecutive."""
+    runs: list[Run] = []
+    for j, remote in entries:
+        local = int(local_block_ids[j])
+        if runs:
+            last = runs[-1]
+            if (remote == last.remote_start + last.num_blocks
+                    and local == last.local_start + last.num_blocks):
+                runs[-1] = Run(last.logical_start, last.remote_start,
+                               last.local_start, last.num_blocks + 1)
+                continue
+        runs.append(Run(j, remote, local, 1))
+    return runs

@@ -1,0 +1,137 @@
+"""Byte movers for the disaggregated-prefill connector: NIXL and Mooncake.
+
+Both run on CPU machines as shipped here (NIXL over UCX, Mooncake over TCP)
+and on GPU hosts (registering device memory is the transport's business).
+The connector only ever asks for batched one-sided READs of
+``(remote_addr, local_addr, nbytes)`` ranges from registered memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import torch
+
+
+class TransferError(RuntimeError):
+    """A transfer failed or did not finish in time."""
+
+
+class Transport:
+    name = "base"
+
+    def register(self, tensors: list[torch.Tensor]) -> dict:
+        """Register memory peers may read; returns metadata for the handshake."""
+        raise NotImplementedError
+
+    def read(self, peer_meta: dict, reads: list[tuple[int, int, int]],
+             timeout_s: float) -> None:
+        """Blocking batched READ ``(remote_addr, local_addr, nbytes)``."""
+        raise NotImplementedError
+
+    def progress(self) -> None:
+        """Let the engine serve a peer's READ (no-op where it runs by itself)."""
+
+
+class NixlTransport(Transport):
+    name = "nixl"
+
+    def __init__(self, host: str):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.agent_name = f"cpkv-{uuid.uuid4().hex[:12]}"
+        # No progress thread: it busy-polls a core for the agent's lifetime.
+        # Progress is driven only while a transfer is expected: by the reader
+        # while it polls, by the served side through progress().
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"]))
+        self._peers: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def register(self, tensors):
+        for t in tensors:
+            self.agent.register_memory(t)
+        return {"agent_name": self.agent_name,
+                "agent_metadata": self.agent.get_agent_metadata()}
+
+    def progress(self):
+        self.agent.get_new_notifs()
+
+    def _peer(self, meta):
+        with self._lock:
+            name = meta["agent_name"]
+            if name not in self._peers:
+                self._peers[name] = self.agent.add_remote_agent(meta["agent_metadata"])
+            return self._peers[name]
+
+    def read(self, peer_meta, reads, timeout_s):
+        if not reads:
+            return
+        peer = self._peer(peer_meta)
+        local = self.agent.get_xfer_descs([(la, n, 0) for _, la, n in reads], "DRAM")
+        remote = self.agent.get_xfer_descs([(ra, n, 0) for ra, _, n in reads], "DRAM")
+        handle = self.agent.initialize_xfer("READ", local, remote, peer)
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + timeout_s
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise TransferError(f"NIXL read did not finish in {timeout_s:g} s")
+                time.sleep(0.0005)
+                state = self.agent.check_xfer_state(handle)
+            if state == "ERR":
+                raise TransferError("NIXL read failed (peer gone?)")
+        finally:
+            self.agent.release_xfer_handle(handle)
+
+
+class MooncakeTransport(Transport):
+    name = "mooncake"
+
+    def __init__(self, host: str):
+        from mooncake.engine import TransferEngine
+
+        self.engine = TransferEngine()
+        rc = self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
+        if rc != 0:
+            raise TransferError(f"Mooncake TransferEngine.initialize failed (rc={rc})")
+        self.session = f"{host}:{self.engine.get_rpc_port()}"
+
+    def register(self, tensors):
+        for t in tensors:
+            rc = self.engine.register_memory(t.data_ptr(), t.numel() * t.element_size())
+            if rc != 0:
+                raise TransferError(f"Mooncake register_memory failed (rc={rc})")
+        return {"session": self.session}
+
+    def read(self, peer_meta, reads, timeout_s):
+        if not reads:
+            return
+        result: list = []
+
+        def run():
+            try:
+                result.append(self.engine.batch_transfer_sync_read(
+                    peer_meta["session"], [la for _, la, _ in reads],
+                    [ra for ra, _, _ in reads], [n for _, _, n in reads]))
+            except Exception as e:  # reported below
+                result.append(e)
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise TransferError(f"Mooncake read did not finish in {timeout_s:g} s")
+        if isinstance(result[0], Exception) or result[0] != 0:
+            raise TransferError(f"Mooncake read failed ({result[0]!r}; peer gone?)")
+
+
+TRANSPORTS = {"nixl": NixlTransport, "mooncake": MooncakeTransport}
+
+
+def make_transport(name: str, host: str) -> Transport:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; accepted: {sorted(TRANSPORTS)}.")
+    return TRANSPORTS[name](host)
