@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Decode server: TP=1, not sharded; pulls each prefill rank's owned blocks.
+# Decode server: not sharded (TP from $TP, default 1); every rank pulls each
+# prefill rank's owned blocks into its own (replicated) latent cache.
 # Usage: start_decode.sh MODEL [PORT=8200] [TRANSPORT=nixl|mooncake]
 MODEL=${1:?model}; PORT=${2:-8200}; TRANSPORT=${3:-nixl}
-exec vllm serve "$MODEL" --port "$PORT" --host 127.0.0.1 \
-  --max-model-len 1024 --max-num-seqs 8 --block-size "${BLOCK_SIZE:-32}" --enforce-eager \
+exec vllm serve "$MODEL" --port "$PORT" --host 127.0.0.1 --tensor-parallel-size "${TP:-1}" \
+  --max-model-len 1024 --max-num-seqs 8 --block-size "${BLOCK_SIZE:-32}" --enforce-eager ${EXTRA_ARGS:-} \
   --kv-transfer-config "{\"kv_connector\": \"ShardedKVConnector\", \"kv_connector_module_path\": \"vllm_cp_kv.integration.connector\", \"kv_role\": \"kv_consumer\", \"kv_connector_extra_config\": {\"transport\": \"$TRANSPORT\"}}"

@@ -15,7 +15,8 @@ the manifest of the blocks it owns with their logical positions
 (:mod:`vllm_cp_kv.core.manifest`). Blocks are freed when the decode side has
 read them, or after ``blocks_expiry_s``.
 
-Decode (consumer, not sharded, TP=1): per request it asks every prefill rank
+Decode (consumer, not sharded; any TP, every TP rank holds the whole latent
+cache and pulls every block): per request it asks every prefill rank
 for its handshake and manifest, refuses any mismatch or out-of-range entry
 before a byte moves, then READs each rank's owned blocks straight into its own
 block-table slots (contiguous runs merged into one descriptor per layer). Any
@@ -53,9 +54,11 @@ from .transfer import make_transport
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
 AUTHKEY = b"vllm_cp_kv"
 RULE = "cyclic"
-# Test hook only: seconds to pause between prefill ranks' reads, so a test can
-# kill the prefill server mid-transfer.
-TEST_PAUSE_ENV = "VLLM_CP_KV_TEST_PAUSE_BETWEEN_RANKS_S"
+# Test hooks, honoured only when this variable is 1 on the decode server:
+# kv_transfer_params "cp_kv_test_pause_s" pauses between prefill ranks' reads
+# (a test kills the prefill mid-transfer), "cp_kv_test_ignore_positions" drops
+# the logical positions (negative control: the output must change).
+TEST_HOOKS_ENV = "VLLM_CP_KV_TEST_HOOKS"
 SIDE_CHANNEL_IDLE_S = 60.0  # a side-channel conversation ends after this silence
 PARAM_KEYS = ("remote_host", "remote_port", "remote_request_id", "remote_block_ids",
               "remote_num_tokens", "shard_size", "block_size")
@@ -114,11 +117,13 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.shard_size = parallel.decode_context_parallel_size
         self.block_size = vllm_config.cache_config.block_size
         self.engine_id = cfg.engine_id
-        if self.is_consumer and (parallel.tensor_parallel_size > 1 or self.shard_size > 1):
+        if self.is_consumer and self.shard_size > 1:
             raise ValueError(
-                "ShardedKVConnector: the decode (kv_consumer) instance must be "
-                f"unsharded with TP=1 (got TP={parallel.tensor_parallel_size}, "
-                f"shard size {self.shard_size}).")
+                "ShardedKVConnector: the decode (kv_consumer) instance must not be "
+                f"sharded (got shard size {self.shard_size}); drop cp_kv there.")
+        # every decode TP rank holds the whole (replicated) latent cache and
+        # pulls every block; the prefill frees once all of them are done
+        self.tp_size = parallel.tensor_parallel_size
         # scheduler side
         self._to_recv: dict = {}
         self._to_send: dict = {}
@@ -129,6 +134,8 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._handshake: dict = {}
         self._lock = threading.Lock()
         self._sending: dict[str, tuple[list[int], int, float]] = {}
+        self._queued_recv: dict[str, tuple[list[int], dict, str | None]] = {}
+        self._readers_done: dict[str, int] = {}
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -234,12 +241,12 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         with self._lock:
             for req_id, (table, num_tokens) in connector_metadata.to_send.items():
                 self._sending[req_id] = (table, num_tokens, now + self.expiry_s)
-        for req_id, (local_ids, params, error) in connector_metadata.to_recv.items():
-            threading.Thread(target=self._receive, args=(req_id, local_ids, params, error),
-                             daemon=True).start()
+        # Start reading only at the end of this step: vLLM zeroes newly
+        # allocated blocks at the start of the step, after this binding.
+        self._queued_recv.update(connector_metadata.to_recv)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        pass  # transfers run in background threads (see bind_connector_metadata)
+        pass  # transfers run in background threads (see get_transfer_results)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass
@@ -251,6 +258,10 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         pass
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        for req_id, (local_ids, params, error) in self._queued_recv.items():
+            threading.Thread(target=self._receive, args=(req_id, local_ids, params, error),
+                             daemon=True).start()
+        self._queued_recv = {}
         now = time.monotonic()
         with self._lock:
             for req_id, (_, _, expiry) in list(self._sending.items()):
@@ -259,6 +270,7 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
                                    "without a transfer; freeing its blocks", req_id,
                                    self.expiry_s)
                     del self._sending[req_id]
+                    self._readers_done.pop(req_id, None)
                     self._done_sending.add(req_id)
             results = KVConnectorTransferResults(
                 finished_sending=self._done_sending, finished_recving=self._done_recving,
@@ -299,7 +311,7 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         if op == "hello":
             return {"ok": True, "handshake": self._handshake}
         with self._lock:
-            entry = self._sending.get(arg)
+            entry = self._sending.get(arg[0] if op == "done" else arg)
             if op == "manifest":
                 if entry is None:
                     return {"ok": False, "error": f"prefill rank {self.rank} has no "
@@ -307,9 +319,17 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
                 table, num_tokens, _ = entry
                 return {"ok": True, "manifest": owned_manifest(
                     self.rank, self.shard_size, self.block_size, table, num_tokens)}
-            if op == "done":
-                if self._sending.pop(arg, None) is not None:
-                    self._done_sending.add(arg)
+            if op == "done":  # arg: (request id, decode TP size)
+                req_id, readers = arg
+                if entry is None:
+                    return {"ok": True}
+                done = self._readers_done.get(req_id, 0) + 1
+                if done >= int(readers):
+                    self._readers_done.pop(req_id, None)
+                    del self._sending[req_id]
+                    self._done_sending.add(req_id)
+                else:
+                    self._readers_done[req_id] = done
                 return {"ok": True}
         return {"ok": False, "error": f"unknown side-channel op {op!r}"}
 
@@ -360,11 +380,16 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
                     self._ask(conn, "manifest", remote_req)["manifest"], r, size,
                     n_blocks, hs["num_blocks"])
             check_complete(manifests, n_blocks)
+            hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
+            pause = float(params.get("cp_kv_test_pause_s", 0)) if hooks else 0.0
+            if hooks and params.get("cp_kv_test_ignore_positions"):
+                # what a receiver without the position mapping would do
+                order = iter(range(n_blocks))
+                manifests = {r: [(next(order), b) for _, b in m] for r, m in manifests.items()}
             bb = self._handshake["block_bytes"]
             num_descs = 0
-            pause = float(os.environ.get(TEST_PAUSE_ENV, "0"))
             for r, entries in manifests.items():
-                if r and pause:  # test hook: widen the window between ranks' reads
+                if r and pause:
                     time.sleep(pause)
                 hs = handshakes[r]
                 runs = merge_runs(entries, local_ids)
@@ -376,7 +401,7 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._transport.read(hs["transport_meta"], reads, self.timeout_s)
             for conn in conns:  # best effort: the prefill side also frees on expiry
                 try:
-                    self._ask(conn, "done", remote_req)
+                    self._ask(conn, "done", (remote_req, self.tp_size))
                 except Exception as e:
                     logger.warning("cp_kv connector: could not confirm request %s to "
                                    "the prefill side: %s", req_id, e)

@@ -85,7 +85,7 @@ def _corrupt_one_owned_block(worker):
 def run(a) -> dict:
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=a.model, tokenizer=a.model, dtype="bfloat16",
+    kw = dict(model=a.model, tokenizer=a.model, dtype=a.dtype,
               tensor_parallel_size=a.tp, max_model_len=a.max_model_len,
               max_num_seqs=a.max_num_seqs, seed=0, enforce_eager=True)
     if a.block_size:
@@ -149,6 +149,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--backend", default=None, help="e.g. CPU_MLA")
+    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--no-plugin", action="store_true",
                     help="plain vLLM: do not load the installed plugin")
