@@ -73,3 +73,21 @@ def write_json(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
+
+
+def graph_time(body, replays: int = 10):
+    """Median time of ``body`` captured in a CUDA graph (None if capture fails)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()  # warm up on the capture stream
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        return time_ms(graph.replay, iters=replays)
+    except Exception as e:  # capture not supported here
+        print("graph capture failed:", type(e).__name__, str(e)[:200])
+        return None

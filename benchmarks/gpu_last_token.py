@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import header, spawn, time_ms, write_json  # noqa: E402
+from common import graph_time, header, spawn, time_ms, write_json  # noqa: E402
 
 from vllm_cp_kv.core.last_token import gather_sampled_rows, plan_sampled_rows  # noqa: E402
 from vllm_cp_kv.core.materialize import all_gather_into_fn  # noqa: E402
@@ -74,19 +74,24 @@ def run(rank, n, out_dir):
 
             ok = torch.equal(full()[logits], narrow()) and torch.equal(narrow(), global_h[logits])
             t_full, t_narrow = time_ms(full), time_ms(narrow)
+            t_full_g, t_narrow_g = graph_time(full), graph_time(narrow)
             results["rows"].append({
                 "tokens": total, "batch": batch, "equal": bool(ok),
                 "full_ms": t_full, "narrow_ms": t_narrow, "ratio": t_narrow / t_full,
+                "full_graph_ms": t_full_g, "narrow_graph_ms": t_narrow_g,
+                "ratio_graph": t_narrow_g / t_full_g if t_full_g and t_narrow_g else None,
                 "full_MiB_per_rank": n * rows * HIDDEN * 2 / 2**20,
                 "narrow_KiB_per_rank": n * batch * HIDDEN * 2 / 2**10})
             del global_h, local, gathered
     if rank == 0:
         write_json(os.path.join(out_dir, "last_token.json"), results)
         print(f"== last-token gather on {results['gpu']} x{n} ({results['date']})")
-        print("tokens batch equal  full ms  narrow ms  ratio")
+        print("tokens batch equal  full ms  narrow ms  ratio  | in CUDA graphs: full  narrow  ratio")
+        g = lambda v: f"{v:.3f}" if v else "-"  # noqa: E731
         for r in results["rows"]:
             print(f"{r['tokens']:6d} {r['batch']:5d} {str(r['equal']):5s} {r['full_ms']:8.3f} "
-                  f"{r['narrow_ms']:10.3f}  {r['ratio']:.3f}")
+                  f"{r['narrow_ms']:10.3f}  {r['ratio']:.3f}  | {g(r['full_graph_ms'])}  "
+                  f"{g(r['narrow_graph_ms'])}  {g(r['ratio_graph'])}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import header, spawn, time_ms, write_json  # noqa: E402
+from common import graph_time, header, spawn, time_ms, write_json  # noqa: E402
 
 from vllm_cp_kv.core.kernels import indexer_views, pack_blocks, scatter_rows  # noqa: E402
 from vllm_cp_kv.core.materialize import (LayerPrefetcher, all_gather_into_fn,  # noqa: E402
@@ -190,24 +190,6 @@ def bandwidth(rank, n, fn, results):
                          "ratio_graph": (t_plain_g / t_mat_g) if t_mat_g and t_plain_g else None})
         del cache, scratch, flat_in, flat_out
         torch.cuda.empty_cache()
-
-
-def graph_time(body, replays: int = 10):
-    """Median time of ``body`` captured in a CUDA graph (None if capture fails)."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()  # warm up on the capture stream
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
-        return time_ms(graph.replay, iters=replays)
-    except Exception as e:  # capture not supported here
-        print("graph capture failed:", type(e).__name__, str(e)[:200])
-        return None
 
 
 def overlap(rank, n, fn, results, layers=4):

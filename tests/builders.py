@@ -42,3 +42,31 @@ def view_of(plan, scratch, i):
 
 def spec(n, rank=0):
     return CPShardSpec(rank=rank, size=n, block_size=BS)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker, n: int, timeout: float = 300) -> None:
+    """Run ``worker(rank, n, port, errors)`` in ``n`` spawned processes (a
+    gloo group on ``port``) and fail with every rank's reported error."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, n, port, errors)) for r in range(n)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    msgs = []
+    while not errors.empty():
+        msgs.append(errors.get())
+    assert not msgs, "\n".join(msgs)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

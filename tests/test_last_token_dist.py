@@ -10,15 +10,14 @@ gloo adapter (vLLM's group needs its distributed init), and
 vLLM's own tests/v1/worker/test_gpu_pcp_manager.py.
 """
 
-import socket
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from builders import spawn_ranks
 from conftest import needs_vllm
 from vllm_cp_kv.core.last_token import gather_sampled_rows, plan_sampled_rows
 from vllm_cp_kv.core.materialize import all_gather_into_fn
@@ -133,27 +132,10 @@ def _check_scenario(name, rank, n, sched, prefilling, group, counted, vpcp, lt):
         assert torch.equal(out[logits_indices], full[logits_indices])
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("n", [2, 4])
 def test_narrow_equals_full_gather(n):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, n, port, errors)) for r in range(n)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    msgs = []
-    while not errors.empty():
-        msgs.append(errors.get())
-    assert not msgs, "\n".join(msgs)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    spawn_ranks(_worker, n)
+
 
 
 def test_round_robin_split():
@@ -178,12 +160,7 @@ def test_round_robin_split():
             out.copy_(torch.cat(rank_bufs))
         return run
 
-    bufs = []
-    for r in range(n):  # what each rank contributes
-        mine = plan.src_rank == r
-        buf = torch.zeros(3, H)
-        buf[mine] = locals_[r][plan.src_row[mine]]
-        bufs.append(buf)
+    bufs = [locals_[r][plan.src_row] for r in range(n)]  # what each rank contributes
     for r in range(n):
         out = gather_sampled_rows(plan, r, n, locals_[r], fake_gather_for(bufs))
         assert torch.equal(out, full[logits_indices])

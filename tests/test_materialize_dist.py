@@ -10,14 +10,12 @@ by the debug plan check.
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from builders import make_batch, spec, view_of
+from builders import make_batch, spawn_ranks, spec, view_of
 from vllm_cp_kv.core import debug
 from vllm_cp_kv.core.materialize import all_gather_into_fn, gather
 from vllm_cp_kv.core.plan import brute_force_full_view, plan_materialization
@@ -68,27 +66,7 @@ def _worker(rank, n, port, errors):
         raise
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("n", [2, 4])
 def test_gather_matches_brute_force(n):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, n, PORTS[n], errors))
-             for r in range(n)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    msgs = []
-    while not errors.empty():
-        msgs.append(errors.get())
-    assert not msgs, msgs
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    spawn_ranks(_worker, n)
 
-
-PORTS = {2: _free_port(), 4: _free_port()}

@@ -7,7 +7,7 @@ only ``full[logits_indices]``. This module collects just those rows:
 
     src_rank[b] = restore_idx[logits_indices[b]] // local_rows
     src_row[b]  = restore_idx[logits_indices[b]] %  local_rows
-    rank r fills buf[b] = local[src_row[b]] where src_rank[b] == r, else 0
+    rank r sends buf[b] = local[src_row[b]] for every b   # [B, H]
     gathered = all_gather(buf)                       # [N, B, H], one collective
     out[b]   = gathered[src_rank[b], b]              # == full[logits_indices[b]]
 
@@ -75,10 +75,11 @@ def gather_sampled_rows(plan: SampledRowsPlan, rank: int, world_size: int,
         f"local hidden states have {local_hidden.shape[0]} rows, the plan "
         f"expects {plan.local_rows}; re-plan for this batch.")
     num_rows, hidden = plan.num_rows, local_hidden.shape[1]
-    # no boolean indexing: it would synchronize the device with the host
-    mine = (plan.src_rank == rank).unsqueeze(1)
-    buf = torch.where(mine, local_hidden.index_select(0, plan.src_row),
-                      local_hidden.new_zeros(()))
+    # Every rank sends its row for every b (rows it does not own are just
+    # whatever it holds there); ``pick`` keeps the owner's copy. No masking,
+    # no boolean indexing (which would synchronize with the host): two small
+    # kernels and one collective.
+    buf = local_hidden.index_select(0, plan.src_row)
     gathered = local_hidden.new_empty((world_size * num_rows, hidden))
     all_gather_into(gathered, buf)
     return gathered.index_select(0, plan.pick)
