@@ -139,3 +139,19 @@ def test_nothing_changes_without_the_opt_in(tiny_dsv2):
         assert cfg.parallel_config.worker_cls != WORKER_CLS
     # a non-MLA model and TP=1 are fine without the opt-in
     config(tiny_dsv2, tensor_parallel_size=1, additional_config={})
+
+
+def test_last_token_gather_alone_keeps_vllms_layout():
+    """kv_sharding=false: no derived DCP, PCP allowed (last-token gather only)."""
+    from types import SimpleNamespace
+
+    from vllm_cp_kv.integration.checks import check_engine_args
+    from vllm_cp_kv.integration.options import CPKVOptions
+
+    args = SimpleNamespace(tensor_parallel_size=1, prefill_context_parallel_size=2,
+                           pipeline_parallel_size=1, decode_context_parallel_size=1,
+                           worker_cls="auto")
+    check_engine_args(args, CPKVOptions(enable=True, kv_sharding=False))
+    assert args.decode_context_parallel_size == 1
+    with pytest.raises(ValueError, match="kv_sharding"):
+        check_engine_args(args, CPKVOptions(enable=True))

@@ -29,6 +29,12 @@ def check_engine_args(args, options: CPKVOptions) -> None:
     """Validate and derive engine args in place (frontend, before VllmConfig)."""
     tp = args.tensor_parallel_size
     pcp = args.prefill_context_parallel_size
+    if args.worker_cls not in ("auto", None):
+        raise CPKVConfigError(
+            f"cp_kv: a custom --worker-cls ({args.worker_cls}) cannot be combined "
+            "with cp_kv, which installs its own worker; remove --worker-cls.")
+    if not options.kv_sharding:
+        return  # only the last-token gather: vLLM's own layout and checks
     if args.pipeline_parallel_size > 1:
         raise CPKVConfigError(
             "cp_kv: pipeline parallelism is not supported "
@@ -39,7 +45,9 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             "cp_kv: sharding over the prefill-context-parallel group "
             f"(--prefill-context-parallel-size={pcp}) needs the GPU V2 model "
             "runner and is not available in this release; shard over TP "
-            "instead (--tensor-parallel-size N) or disable cp_kv.")
+            "instead (--tensor-parallel-size N), or keep vLLM's KV layout and use "
+            "only the last-token gather with {\"cp_kv\": {\"enable\": true, "
+            "\"kv_sharding\": false}}.")
     size = shard_group_size(tp, pcp)
     if size < 2:
         raise CPKVConfigError(
@@ -67,10 +75,6 @@ def check_engine_args(args, options: CPKVOptions) -> None:
         raise CPKVConfigError(
             "cp_kv: speculative decoding is not supported with sharded KV; "
             "remove --speculative-config or disable cp_kv.")
-    if args.worker_cls not in ("auto", None):
-        raise CPKVConfigError(
-            f"cp_kv: a custom --worker-cls ({args.worker_cls}) cannot be combined "
-            "with cp_kv, which installs its own worker; remove --worker-cls.")
     # Before vLLM's own DCP validation, which would reject a non-MLA model
     # with a message that does not mention cp_kv.
     check_model(args.create_model_config())
@@ -92,9 +96,9 @@ def check_model(model_config) -> None:
             "supported by this release; disable cp_kv for this model.")
 
 
-def check_vllm_config(vllm_config) -> None:
+def check_vllm_config(vllm_config, options: CPKVOptions) -> None:
     """Model-level checks and late derivations (after the platform hook)."""
-    if vllm_config.model_config is None:
+    if vllm_config.model_config is None or not options.kv_sharding:
         return
     check_model(vllm_config.model_config)
     parallel = vllm_config.parallel_config

@@ -26,6 +26,9 @@ class CPKVOptions:
     max_scratch_blocks: int = 0
     # Collect only sampled rows at the end of a PCP prefill (V2 GPU runner).
     last_token_gather: bool = True
+    # Shard the KV cache. False keeps vLLM's layout and only installs the
+    # last-token gather (for PCP > 1 until PCP sharding lands).
+    kv_sharding: bool = True
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> "CPKVOptions":
@@ -42,9 +45,10 @@ class CPKVOptions:
         if unknown:
             raise ValueError(
                 f"unknown cp_kv option(s) {unknown}; accepted: {sorted(known)}.")
-        if not isinstance(raw.get("enable", False), bool):
-            raise ValueError(
-                f"cp_kv.enable must be true or false, got {raw['enable']!r}.")
+        for key in ("enable", "last_token_gather", "kv_sharding"):
+            if not isinstance(raw.get(key, False), bool):
+                raise ValueError(
+                    f"cp_kv.{key} must be true or false, got {raw[key]!r}.")
         return cls(**raw)
 
 

@@ -43,6 +43,10 @@ def _enabled(vllm_config) -> bool:
     return vllm_config is not None and options_of(vllm_config).enable
 
 
+def _sharding(vllm_config) -> bool:
+    return _enabled(vllm_config) and options_of(vllm_config).kv_sharding
+
+
 def _patch_engine_args() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -71,7 +75,7 @@ def _patch_platform() -> None:
         if _enabled(vllm_config):
             from .checks import check_vllm_config
 
-            check_vllm_config(vllm_config)
+            check_vllm_config(vllm_config, options_of(vllm_config))
             vllm_config.parallel_config.worker_cls = WORKER_CLS
 
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
@@ -88,7 +92,7 @@ def _patch_backend_selector() -> None:
         from vllm.config import get_current_vllm_config_or_none
 
         if (attn_selector_config.use_mla and not attn_selector_config.use_sparse
-                and _enabled(get_current_vllm_config_or_none())):
+                and _sharding(get_current_vllm_config_or_none())):
             from .backend import sharded_backend
 
             return sharded_backend(cls)
@@ -106,7 +110,7 @@ def _patch_cp_compat_check() -> None:
 
     @functools.wraps(orig)
     def check(vllm_config, target_layer_names=None):
-        if _enabled(vllm_config):
+        if _sharding(vllm_config):
             from vllm.config import get_layers_from_vllm_config
             from vllm.model_executor.layers.attention_layer_base import (
                 AttentionLayerBase)

@@ -24,7 +24,7 @@ class ShardedKVWorker(_PlatformWorker):
     def determine_available_memory(self) -> int:
         available = super().determine_available_memory()
         specs = self.model_runner.get_kv_cache_spec()
-        if not specs:
+        if not specs or not options_of(self.vllm_config).kv_sharding:
             return available
         page_bytes = max(s.page_size_bytes for s in specs.values())
         block_size = min(s.block_size for s in specs.values())
