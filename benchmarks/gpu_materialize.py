@@ -91,7 +91,7 @@ def check_correctness(rank, n, fn, results):
                  if dtype == torch.bfloat16 else
                  torch.randint(0, 256, (300, *shape), device=dev, generator=gen, dtype=dtype))
         ids = torch.randperm(300, device=dev, generator=gen)[:123]
-        a = pack_blocks(cache, ids, use_triton=True)
+        a = pack_blocks(cache, ids, use_triton=True)  # Triton against torch
         b = pack_blocks(cache, ids, use_triton=False)
         ok = torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         slots = torch.randperm(300 * BS, device=dev, generator=gen)[:777]

@@ -6,7 +6,8 @@ fp8 latent with scales (656 bytes per token) and the sparse indexer cache
 (per block: ``block_size x 128`` fp8 keys, then ``block_size`` fp32 scales).
 
 * :func:`pack_blocks`: ``out[i] = cache[ids[i]]`` (whole blocks; the pack
-  step of the gather).
+  step of the gather). ``index_select`` by default; the Triton kernel is kept
+  for comparison (same bandwidth, more host launch time).
 * :func:`scatter_rows`: ``cache_rows[slots[t]] = rows[t]`` where
   ``slots[t] >= 0`` (owner-only write of new KV; ``-1`` marks tokens another
   rank owns). For layouts whose token is not one contiguous row (the indexer
@@ -87,7 +88,10 @@ def pack_blocks(cache: torch.Tensor, ids: torch.Tensor,
         out = cache.new_empty((ids.numel(), *cache.shape[1:]))
     if ids.numel() == 0:
         return out
-    if use_triton if use_triton is not None else _use_triton(cache):
+    # Default: torch index_select, which reaches the same bandwidth for whole
+    # blocks (measured on H200, benchmarks/) and launches with less host time
+    # than the Triton launcher, which matters for small gathers.
+    if use_triton:
         src = _wide(cache.reshape(cache.shape[0], -1))
         dst = _wide(out.reshape(out.shape[0], -1))
         grid, chunk = _grid(ids.numel(), src.shape[1])
