@@ -58,7 +58,10 @@ def read_lens(common, decode_threshold: int) -> torch.Tensor:
     """
     qsl = common.query_start_loc_cpu.long()
     q = qsl[1:] - qsl[:-1]
-    seq = common.seq_lens.cpu().long()[: q.numel()]
+    # The host copy avoids a device sync; it is exact without speculative
+    # decoding, which the startup checks refuse.
+    host = getattr(common, "seq_lens_cpu_upper_bound", None)
+    seq = (host if host is not None else common.seq_lens.cpu()).long()[: q.numel()]
     return torch.where(q <= decode_threshold, seq, seq - q)
 
 
