@@ -45,20 +45,37 @@ if _HAS_TRITON:
     @triton.jit
     def _scatter_kernel(src, dst, slots, num_rows, width, block_stride, block_size,
                         ROWS: tl.constexpr, CHUNK: tl.constexpr):
-        # ROWS token rows per program: enough bytes in flight for short rows
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        # ROWS token rows per program: enough bytes in flight for short rows.
+        # When the ROWS slots are consecutive inside one block (a chunk of new
+        # tokens filling its blocks), they are one contiguous destination:
+        # copy them as a single flat range.
+        r0 = tl.program_id(0) * ROWS
+        r = r0 + tl.arange(0, ROWS)
         rmask = r < num_rows
         slot = tl.load(slots + r, mask=rmask, other=-1).to(tl.int64)
-        valid = slot >= 0
-        dst_row = (slot // block_size) * block_stride + (slot % block_size) * width
-        src_row = r.to(tl.int64) * width
-        for c in range(0, width, CHUNK):
-            offs = c + tl.arange(0, CHUNK)
-            cmask = offs < width
-            vals = tl.load(src + src_row[:, None] + offs[None, :],
-                           mask=rmask[:, None] & cmask[None, :])
-            tl.store(dst + dst_row[:, None] + offs[None, :], vals,
-                     mask=valid[:, None] & cmask[None, :])
+        first = tl.load(slots + r0).to(tl.int64)
+        run = (r0 + ROWS <= num_rows) & (first >= 0) & \
+            (first % block_size + ROWS <= block_size) & \
+            (tl.sum((slot != first + tl.arange(0, ROWS)).to(tl.int32), axis=0) == 0)
+        if run:
+            base_dst = (first // block_size) * block_stride + (first % block_size) * width
+            base_src = r0.to(tl.int64) * width
+            total = ROWS * width
+            for c in range(0, total, CHUNK * ROWS):
+                offs = c + tl.arange(0, CHUNK * ROWS)
+                m = offs < total
+                tl.store(dst + base_dst + offs, tl.load(src + base_src + offs, mask=m), mask=m)
+        else:
+            valid = slot >= 0
+            dst_row = (slot // block_size) * block_stride + (slot % block_size) * width
+            src_row = r.to(tl.int64) * width
+            for c in range(0, width, CHUNK):
+                offs = c + tl.arange(0, CHUNK)
+                cmask = offs < width
+                vals = tl.load(src + src_row[:, None] + offs[None, :],
+                               mask=rmask[:, None] & cmask[None, :])
+                tl.store(dst + dst_row[:, None] + offs[None, :], vals,
+                         mask=valid[:, None] & cmask[None, :])
 
     def _grid(n, width):
         chunk = min(4096, triton.next_power_of_2(width))
