@@ -24,6 +24,10 @@ Patches, and why each is needed:
 5. CPU only, ``cpu_triton_utils._compute_slot_mapping_kernel_impl``: vLLM's
    C++ stand-in for the slot-mapping kernel asserts CP size 1; sharded
    launches get the same arithmetic in torch (unsharded ones are untouched).
+
+One more, scoped to a ``with`` block in ``backend.py`` (``_unsharded_view``):
+while the materializing metadata builder initializes, vLLM's MLA builder sees
+a DCP group of size 1, since it reads a full view rather than merging shards.
 """
 
 from __future__ import annotations
