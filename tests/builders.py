@@ -44,12 +44,27 @@ def spec(n, rank=0):
     return CPShardSpec(rank=rank, size=n, block_size=BS)
 
 
-def free_port() -> int:
+def _port_free(port: int) -> bool:
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(consecutive: int = 1) -> int:
+    """A free loopback port (with ``consecutive - 1`` free ports after it)."""
+    import socket
+
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if all(_port_free(port + k) for k in range(1, consecutive)):
+            return port
 
 
 def spawn_ranks(worker, n: int, timeout: float = 300) -> None:

@@ -16,7 +16,6 @@ servers) and the decode server answers the next request.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import urllib.request
 
 import pytest
 
+from builders import free_port
 from conftest import CPU_ENV, ROOT, needs_vllm, run_generate
 
 pytestmark = [needs_vllm, pytest.mark.skipif(
@@ -39,24 +39,6 @@ MAX_TOKENS = 32
 # the single-instance reference use TP=2 like the prefill; the decode is not
 # sharded: each of its ranks pulls every block.
 DECODE_TP = 2
-
-
-def free_port(consecutive=1):
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if all(_free(port + k) for k in range(1, consecutive)):
-            return port
-
-
-def _free(port):
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def post(url, body, timeout=300):

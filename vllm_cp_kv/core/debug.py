@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .ownership import CPShardSpec
+from .ownership import CPShardSpec, owned_slot_mapping
 from .plan import MaterializationPlan
 
 
@@ -26,18 +26,12 @@ def expected_slot_mapping(spec: CPShardSpec, block_table: torch.Tensor,
         ``[T]`` int64 with ``T = query_start_loc[-1]``.
     """
     qsl = query_start_loc.cpu().long()
-    seq = seq_lens.cpu().long()
-    table = block_table.cpu().long()
-    out = []
-    for i in range(seq.numel()):
-        q = int(qsl[i + 1] - qsl[i])
-        pos = torch.arange(int(seq[i]) - q, int(seq[i]))
-        blk = pos // spec.block_size
-        owned = spec.owner_of(blk) == spec.rank
-        phys = table[i, spec.table_index(blk)] if q else pos
-        slot = phys * spec.block_size + pos % spec.block_size
-        out.append(torch.where(owned, slot, torch.full_like(slot, -1)))
-    return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
+    seq = seq_lens.cpu().long()[: qsl.numel() - 1]
+    q = qsl[1:] - qsl[:-1]
+    req = torch.repeat_interleave(torch.arange(q.numel()), q)
+    positions = torch.arange(int(qsl[-1])) - qsl[:-1][req] + (seq - q)[req]
+    return owned_slot_mapping(positions, req, block_table.cpu(), spec.block_size,
+                              spec.size, spec.rank, interleave=spec.block_size)
 
 
 def check_owned_writes(spec: CPShardSpec, slot_mapping: torch.Tensor,

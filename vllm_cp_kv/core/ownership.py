@@ -41,11 +41,6 @@ class CPShardSpec:
         if self.rule != "cyclic":
             raise ValueError(f"only the 'cyclic' rule exists, got {self.rule!r}.")
 
-    @property
-    def virtual_block_size(self) -> int:
-        """Tokens per scheduler (virtual) block: ``block_size * size``."""
-        return self.block_size * self.size
-
     def owner_of(self, logical_blocks: torch.Tensor) -> torch.Tensor:
         """Owner rank of each logical block index (any int shape)."""
         return logical_blocks % self.size
@@ -61,9 +56,6 @@ class CPShardSpec:
     def logical_blocks_of(self, rank: int, num_logical_blocks: int) -> list[int]:
         """Logical block indices of one request that ``rank`` owns."""
         return list(range(rank, num_logical_blocks, self.size))
-
-    def to_dict(self) -> dict:
-        return {"size": self.size, "block_size": self.block_size, "rule": self.rule}
 
 
 def num_logical_blocks(num_tokens: int, block_size: int) -> int:

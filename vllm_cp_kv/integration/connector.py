@@ -278,10 +278,6 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._done_sending, self._done_recving, self._failed_recving = set(), set(), set()
         return results
 
-    def get_finished(self, finished_req_ids):
-        r = self.get_transfer_results(finished_req_ids)
-        return r.finished_sending, r.finished_recving
-
     # ---- prefill: side channel -------------------------------------------
     def _serve(self, listener: Listener) -> None:
         while True:
