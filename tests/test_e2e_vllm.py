@@ -13,18 +13,16 @@ vLLM (the plugin not loaded at all).
 import pytest
 
 from conftest import needs_vllm, run_generate
+from vllm_cp_kv.core.ownership import brute_force_owned_counts
 
 pytestmark = needs_vllm
 BLOCK = "32"  # AMX_MLA needs a multiple of 32; CPU_MLA forces 16
 
 
 def owned_tokens(prompt_lens, new_tokens, block_size, n):
-    """Tokens whose KV each rank must store: logical block j -> rank j % n."""
-    counts = [0] * n
-    for length in prompt_lens:
-        for p in range(length + new_tokens - 1):  # the last sample is never fed back
-            counts[(p // block_size) % n] += 1
-    return counts
+    """Tokens whose KV each rank must store (the last sample is never fed back)."""
+    return brute_force_owned_counts([p + new_tokens - 1 for p in prompt_lens],
+                                    block_size, n)
 
 
 @pytest.fixture(scope="module")

@@ -77,8 +77,14 @@ def test_row_group_size_1(tiny_dsv2):
     expect_row("group-size-1", tiny_dsv2, tensor_parallel_size=1)
 
 
-def test_row_pcp(tiny_dsv2):
-    expect_row("pcp", tiny_dsv2, prefill_context_parallel_size=2)
+def test_row_pcp_platform(tiny_dsv2):
+    # this machine is CPU-only: PCP sharding needs the GPU V2 runner
+    expect_row("pcp-platform", tiny_dsv2, tensor_parallel_size=1,
+               prefill_context_parallel_size=2)
+
+
+def test_row_pcp_and_tp(tiny_dsv2):
+    expect_row("pcp-and-tp", tiny_dsv2, prefill_context_parallel_size=2)
 
 
 def test_row_pp(tiny_dsv2):
@@ -153,5 +159,5 @@ def test_last_token_gather_alone_keeps_vllms_layout():
                            worker_cls="auto")
     check_engine_args(args, CPKVOptions(enable=True, kv_sharding=False))
     assert args.decode_context_parallel_size == 1
-    with pytest.raises(ValueError, match="kv_sharding"):
-        check_engine_args(args, CPKVOptions(enable=True))
+    with pytest.raises(ValueError, match="GPU V2 model runner"):
+        check_engine_args(args, CPKVOptions(enable=True))  # CPU: no PCP sharding

@@ -89,3 +89,14 @@ def owned_slot_mapping(positions: torch.Tensor, req_indices: torch.Tensor,
     blocks = block_table[req_indices.long(), vblock.long()].long()
     slots = blocks * block_size + local_offset
     return torch.where(local, slots, torch.full_like(slots, pad_id))
+
+
+def brute_force_owned_counts(seq_lens, block_size: int, n: int) -> list[int]:
+    """Reference: tokens each of ``n`` ranks stores for sequences of
+    ``seq_lens`` tokens (logical block ``j`` on rank ``j % n``), by a plain
+    loop over positions (tests and GPU checks compare written rows to it)."""
+    counts = [0] * n
+    for length in seq_lens:
+        for pos in range(int(length)):
+            counts[(pos // block_size) % n] += 1
+    return counts

@@ -131,6 +131,56 @@ def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
                                num_logical_blocks=nblk)
 
 
+def plan_split_requests(spec: CPShardSpec, block_table: torch.Tensor,
+                        row_keys, keys, seq_lens: torch.Tensor,
+                        min_columns: int = 1
+                        ) -> tuple[MaterializationPlan, torch.Tensor, torch.Tensor]:
+    """Plan when each rank runs different pieces of the same requests (PCP).
+
+    Under prefill context parallelism every rank holds a different local
+    batch (its own chunks of each prefill), but the gather is a collective:
+    the plan must come from what all ranks share, the global batch.
+
+    Args:
+        block_table: ``[R_local, C]`` this rank's rows (several rows may
+            belong to one request).
+        row_keys: ``[R_local]`` request key (e.g. vLLM's request-state index)
+            of each local row.
+        keys: ``[G]`` request keys of the global batch, the same on every rank.
+        seq_lens: ``[G]`` tokens each request may read this step (on every
+            rank the same).
+    Returns:
+        ``(plan, local_full_table, global_table)``: the plan over the ``G``
+        global requests (identical on every rank), the ``[R_local, W]``
+        full-view block table of this rank's rows, and the ``[G, C]`` block
+        table the plan was made from (for the debug checks).
+    Raises:
+        ValueError: a global request has no local row (its block table
+            would be unknown here).
+    """
+    row_keys = [int(k) for k in row_keys]
+    keys = [int(k) for k in keys]
+    first = {}
+    for i, k in enumerate(row_keys):
+        first.setdefault(k, i)
+    missing = [k for k in keys if k not in first]
+    if missing:
+        raise ValueError(
+            f"requests {missing} of the global batch have no row on this rank; "
+            "the sharded plan needs every request's block table on every rank.")
+    position = {k: g for g, k in enumerate(keys)}
+    unknown = [k for k in row_keys if k not in position]
+    if unknown:
+        raise ValueError(f"local rows of requests {unknown} are not in the global batch.")
+    device = block_table.device
+    rows = torch.tensor([first[k] for k in keys], dtype=torch.long, device=device)
+    table = block_table[rows]
+    plan = plan_materialization(spec, table, seq_lens, min_columns=min_columns)
+    local = torch.tensor([position[k] for k in row_keys], dtype=torch.long,
+                         device=plan.full_block_table.device)
+    return plan, plan.full_block_table[local], table
+
+
 def brute_force_full_view(spec: CPShardSpec, block_table: torch.Tensor,
                           seq_lens: torch.Tensor,
                           rank_caches: list[torch.Tensor]) -> list[torch.Tensor]:

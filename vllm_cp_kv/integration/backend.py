@@ -23,8 +23,8 @@ from functools import cache
 import torch
 
 from ..core import debug as core_debug
-from ..core.plan import plan_materialization
-from .runtime import get_runtime
+from ..core.plan import plan_materialization, plan_split_requests
+from .runtime import current_pcp_step, get_runtime
 
 
 class _SingleRankGroup:
@@ -33,20 +33,27 @@ class _SingleRankGroup:
 
 
 @contextlib.contextmanager
-def _unsharded_view():
-    """Make vLLM's MLA metadata builder see DCP size 1 while it initializes.
+def _unsharded_view(vllm_config):
+    """Make vLLM's MLA metadata builder initialize as if DCP were off.
 
     Why: with DCP > 1 the builder expects the layer's LSE-merging
-    ``MLADCPManager``; our kernels read a materialized full view instead.
+    ``MLADCPManager`` and, for kernels without DCP varlen support
+    (FLASH_ATTN_MLA with interleave > 1), sends short prefills down the
+    prefill path instead of the decode kernel. Our kernels read a complete
+    materialized view, so the builder must behave exactly as unsharded
+    (same kernel per request, hence the same tokens as an unsharded run).
     """
     from vllm.model_executor.layers.attention import mla_attention
 
-    orig = mla_attention.get_dcp_group
+    parallel = vllm_config.parallel_config
+    orig_group, orig_dcp = mla_attention.get_dcp_group, parallel.decode_context_parallel_size
     mla_attention.get_dcp_group = lambda: _SingleRankGroup()
+    parallel.decode_context_parallel_size = 1
     try:
         yield
     finally:
-        mla_attention.get_dcp_group = orig
+        mla_attention.get_dcp_group = orig_group
+        parallel.decode_context_parallel_size = orig_dcp
 
 
 def read_lens(common, decode_threshold: int) -> torch.Tensor:
@@ -72,30 +79,49 @@ def sharded_backend(inner: type) -> type:
     inner_builder = inner.get_builder_cls()
 
     class Builder(inner_builder):
-        def __init__(self, *args, **kwargs):
-            with _unsharded_view():
-                super().__init__(*args, **kwargs)
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, device,
+                     *args, **kwargs):
+            with _unsharded_view(vllm_config):
+                super().__init__(kv_cache_spec, layer_names, vllm_config, device,
+                                 *args, **kwargs)
 
         def build(self, common_prefix_len, common_attn_metadata,
                   fast_build: bool = False):
             common = common_attn_metadata
             block_size = self.kv_cache_spec.block_size
             runtime = get_runtime(block_size)
-            lens = read_lens(common, self.reorder_batch_threshold)
             table = common.block_table_tensor[: common.num_reqs]
             # Kernels size their index from each request's full length.
             columns = -(-common.max_seq_len // block_size)
-            plan = plan_materialization(runtime.spec, table, lens,
-                                        min_columns=columns)
-            if runtime.debug:
-                core_debug.check_owned_writes(
-                    runtime.spec, common.slot_mapping, table,
-                    common.query_start_loc_cpu, common.seq_lens[: common.num_reqs])
-                core_debug.check_plan_covers(plan, table, lens)
-            full = plan.full_block_table.to(table.device)
-            translated = dataclasses.replace(common, block_table_tensor=full)
+            step = current_pcp_step()
+            if step is not None:
+                # PCP: ranks run different chunks; plan from the global batch
+                lens = torch.from_numpy(step.seq_lens)
+                plan, full, global_table = plan_split_requests(
+                    runtime.spec, table, step.row_keys, step.keys, lens,
+                    min_columns=columns)
+                reads = bool((step.seq_lens > 0).any())
+                if runtime.debug:
+                    # vLLM's PCP write path gathers new KV across ranks: the
+                    # owned-writes check runs on the poisoned-cache tests
+                    core_debug.check_plan_covers(plan, global_table, lens)
+            else:
+                lens = read_lens(common, self.reorder_batch_threshold)
+                plan = plan_materialization(runtime.spec, table, lens,
+                                            min_columns=columns)
+                full, reads = plan.full_block_table, bool((lens > 0).any())
+                if runtime.debug:
+                    core_debug.check_owned_writes(
+                        runtime.spec, common.slot_mapping, table,
+                        common.query_start_loc_cpu,
+                        common.seq_lens[: common.num_reqs])
+                    core_debug.check_plan_covers(plan, table, lens)
+            translated = dataclasses.replace(
+                common, block_table_tensor=full.to(table.device))
             metadata = super().build(common_prefix_len, translated, fast_build)
             metadata.cp_kv_plan = plan
+            # host flag, identical on every rank: gather for prefills or not
+            metadata.cp_kv_reads = reads
             return metadata
 
     class Impl(inner_impl):
@@ -105,7 +131,8 @@ def sharded_backend(inner: type) -> type:
             super().__init__(*args, **kwargs)
             # The layer sees an unsharded kernel: no query all-gather and
             # no LSE merge (see module docstring).
-            self.dcp_world_size = 1
+            self.dcp_world_size, self.dcp_rank = 1, 0
+            self.total_cp_world_size, self.total_cp_rank = 1, 0
             self.need_to_return_lse_for_decode = False
 
         def _full_view(self, kv_cache, attn_metadata):
@@ -118,7 +145,7 @@ def sharded_backend(inner: type) -> type:
 
         def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache,
                         attn_metadata, k_scale, output, output_scale=None):
-            if bool((attn_metadata.cp_kv_plan.num_logical_blocks > 0).any()):
+            if attn_metadata.cp_kv_reads:
                 kv_c_and_k_pe_cache = self._full_view(kv_c_and_k_pe_cache,
                                                       attn_metadata)
             return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache,

@@ -21,7 +21,11 @@ class CPKVConfigError(ValueError):
 
 
 def shard_group_size(tp: int, pcp: int) -> int:
-    """The KV shard group: PCP when > 1, else TP (MLA latent is TP-replicated)."""
+    """The KV shard group: PCP when > 1 (with TP 1), else TP.
+
+    Either way it becomes vLLM's DCP group (``decode_context_parallel_size``),
+    which vLLM 0.32 lets span the TP axis, or the PCP axis when PCP > 1.
+    """
     return pcp if pcp > 1 else tp
 
 
@@ -40,20 +44,27 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             "cp_kv: pipeline parallelism is not supported "
             f"(--pipeline-parallel-size={args.pipeline_parallel_size}); set it to 1 "
             "or disable cp_kv.")
-    if pcp > 1:
+    if pcp > 1 and tp > 1:
         raise CPKVConfigError(
-            "cp_kv: sharding over the prefill-context-parallel group "
-            f"(--prefill-context-parallel-size={pcp}) needs the GPU V2 model "
-            "runner and is not available in this release; shard over TP "
-            "instead (--tensor-parallel-size N), or keep vLLM's KV layout and use "
-            "only the last-token gather with {\"cp_kv\": {\"enable\": true, "
-            "\"kv_sharding\": false}}.")
+            f"cp_kv: sharding with both --tensor-parallel-size={tp} and "
+            f"--prefill-context-parallel-size={pcp} is not supported yet; the KV "
+            "shard group is the PCP group with TP 1, or the TP group without PCP.")
+    if pcp > 1:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda_alike():
+            raise CPKVConfigError(
+                "cp_kv: sharding over the prefill-context-parallel group "
+                f"(--prefill-context-parallel-size={pcp}) needs vLLM's GPU V2 model "
+                "runner; on this platform shard over TP instead "
+                "(--tensor-parallel-size N).")
     size = shard_group_size(tp, pcp)
     if size < 2:
         raise CPKVConfigError(
             "cp_kv: the KV shard group has size 1 (--tensor-parallel-size=1, "
             "--prefill-context-parallel-size=1), so there is nothing to shard; "
-            "set --tensor-parallel-size 2 or more, or disable cp_kv.")
+            "set --tensor-parallel-size 2 or more (or, on GPU, "
+            "--prefill-context-parallel-size 2 or more), or disable cp_kv.")
     dcp = args.decode_context_parallel_size
     if dcp not in (1, size):
         raise CPKVConfigError(

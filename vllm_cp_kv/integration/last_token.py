@@ -1,8 +1,8 @@
 """Last-token gather for vLLM's V2 model runner (prefill context parallel).
 
 :class:`LastTokenPCPManager` subclasses vLLM's ``PCPManager``; the runner
-below selects it through ``GPUModelRunner.pcp_manager_cls`` (vLLM's own hook
-for this). Per batch it decides between
+selects it through ``GPUModelRunner.pcp_manager_cls`` (vLLM's own hook for
+this). Per batch it decides between
 
 * **narrow**: collect only the sampled rows (``cp_size x rows x hidden``,
   one all-gather; :mod:`vllm_cp_kv.core.last_token`), and
@@ -12,7 +12,8 @@ for this). Per batch it decides between
   states, EAGLE-3).
 
 The decision depends only on the batch and the config, which are identical
-on every rank, so all ranks take the same path.
+on every rank, so all ranks take the same path. The runner that selects
+this manager is in :mod:`vllm_cp_kv.integration.pcp`.
 
 On the narrow path the returned tensor keeps the full path's shape
 (``[num_tokens, hidden]``) with only the sampled rows written; the sampler
@@ -40,6 +41,8 @@ logger = init_logger("vllm." + __name__)  # under vLLM's log config
 class LastTokenPCPManager(PCPManager):
     """``PCPManager`` whose ``restore_for_sampling`` moves only sampled rows."""
 
+    narrow_gather = True  # cp_kv.last_token_gather
+
     def full_gather_reason(self, input_batch, aux_hidden_states) -> str | None:
         """Why this batch needs every row (``None``: narrow is enough).
 
@@ -59,8 +62,10 @@ class LastTokenPCPManager(PCPManager):
         size, hidden = group.world_size, hidden_states.shape[1]
         elem = hidden_states.element_size()
         full = full_bytes(size, hidden_states.shape[0], hidden, elem)
+        if reason is None and not self.narrow_gather:
+            reason = "last_token_gather is off"
         if reason is not None or restore_idx is None:
-            self.last_path, self.last_bytes = "full", full
+            self._record(batch, "full", full, full)
             logger.debug("cp_kv last-token gather: full path (%s), %d bytes",
                          reason or "no PCP layout", full)
             return super().restore_for_sampling(hidden_states, aux_hidden_states)
@@ -73,10 +78,24 @@ class LastTokenPCPManager(PCPManager):
             out.fill_(float("nan"))
         out[logits_indices] = rows
         narrow = narrow_bytes(size, plan.num_rows, hidden, elem)
-        self.last_path, self.last_bytes = "narrow", narrow
-        logger.debug("cp_kv last-token gather: narrow path, %d bytes instead of "
-                     "%d (saved %d)", narrow, full, full - narrow)
+        self._record(batch, "narrow", narrow, full)
+        # prefill steps at info level (the saving the feature is for)
+        log = logger.info if getattr(batch, "has_prefill", False) else logger.debug
+        log("cp_kv last-token gather: %d bytes instead of %d (saved %d) in this "
+            "step", narrow, full, full - narrow)
         return out, aux_hidden_states, batch
+
+    def _record(self, batch, path: str, moved: int, full: int) -> None:
+        """Last step's path and bytes; running totals in ``cp_kv_stats``."""
+        self.last_path, self.last_bytes = path, moved
+        stats = self.__dict__.setdefault("cp_kv_stats", {
+            "narrow_steps": 0, "full_steps": 0, "bytes": 0, "full_path_bytes": 0,
+            "prefill_steps_bytes_saved": []})
+        stats[f"{path}_steps"] += 1
+        stats["bytes"] += moved
+        stats["full_path_bytes"] += full
+        if getattr(batch, "has_prefill", False):
+            stats["prefill_steps_bytes_saved"].append(full - moved)
 
 
 def runner_full_gather_reason(runner, input_batch) -> str | None:
@@ -90,24 +109,12 @@ def runner_full_gather_reason(runner, input_batch) -> str | None:
     return None
 
 
-def bound_manager_cls(runner) -> type[LastTokenPCPManager]:
+def bound_manager_cls(runner, base: type | None = None) -> type:
     """A manager class that also asks ``runner`` (prompt logprobs, drafts)."""
 
-    class RunnerBoundPCPManager(LastTokenPCPManager):
+    class RunnerBoundPCPManager(base or LastTokenPCPManager):
         def full_gather_reason(self, input_batch, aux_hidden_states):
             return (super().full_gather_reason(input_batch, aux_hidden_states)
                     or runner_full_gather_reason(runner, input_batch))
 
     return RunnerBoundPCPManager
-
-
-def make_runner_cls():
-    """vLLM's V2 GPU model runner selecting the last-token manager."""
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-
-    class ShardedKVModelRunner(GPUModelRunner):
-        @property
-        def pcp_manager_cls(self):
-            return bound_manager_cls(self)
-
-    return ShardedKVModelRunner

@@ -11,9 +11,11 @@ Patches, and why each is needed:
    arguments and derive ``decode_context_parallel_size`` (vLLM's sharded
    block layout) before vLLM validates its config, so vLLM's own DCP checks
    still apply.
-2. ``current_platform.check_and_update_config``: once the platform has fixed
-   the block size, pin ``cp_kv_cache_interleave_size`` to it (block
-   ownership) and install :class:`~vllm_cp_kv.integration.worker.ShardedKVWorker`.
+2. ``current_platform.check_and_update_config`` and
+   ``update_block_size_for_backend``: once the platform has fixed the block
+   size (the second runs in each worker, after the attention backend is
+   known), pin ``cp_kv_cache_interleave_size`` to it (block ownership), and
+   install :class:`~vllm_cp_kv.integration.worker.ShardedKVWorker`.
 3. ``selector._cached_get_attn_backend``: wrap the platform's MLA backend in
    the materializing backend (the CPU platform ignores
    ``--attention-backend`` for custom backends, so registration alone would
@@ -21,7 +23,11 @@ Patches, and why each is needed:
 4. ``check_attention_cp_compatibility`` in both model runners: vLLM demands
    an LSE-returning decode kernel under DCP because its DCP attention merges
    partial results; a materialized full view needs no merge.
-5. CPU only, ``cpu_triton_utils._compute_slot_mapping_kernel_impl``: vLLM's
+5. GPU V2 runner, ``set_forward_context`` as the runner imported it: under
+   PCP, vLLM's MoE layers route the PCP-gathered tokens but slice the
+   rank-local padding mask, which fails (``topk_softmax ... is_padding size
+   mismatch``, vLLM 0.32); hand them the gathered mask (``pcp.py``).
+6. CPU only, ``cpu_triton_utils._compute_slot_mapping_kernel_impl``: vLLM's
    C++ stand-in for the slot-mapping kernel asserts CP size 1; sharded
    launches get the same arithmetic in torch (unsharded ones are untouched).
 
@@ -83,6 +89,19 @@ def _patch_platform() -> None:
             vllm_config.parallel_config.worker_cls = WORKER_CLS
 
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
+
+    # Workers finalize the block size for the chosen attention backend later
+    # (FLASHMLA needs 64): pin the interleave to that final size again.
+    orig_update = platform_cls.update_block_size_for_backend.__func__
+
+    def update_block_size_for_backend(cls, vllm_config) -> None:
+        orig_update(cls, vllm_config)
+        if _enabled(vllm_config):
+            from .checks import check_vllm_config
+
+            check_vllm_config(vllm_config, options_of(vllm_config))
+
+    platform_cls.update_block_size_for_backend = classmethod(update_block_size_for_backend)
 
 
 def _patch_backend_selector() -> None:
@@ -147,7 +166,30 @@ def register() -> None:
     _patch_platform()
     _patch_backend_selector()
     _patch_cp_compat_check()
+    _patch_forward_context()
     _patch_cpu_slot_mapping()
+
+
+def _patch_forward_context() -> None:
+    """PCP + MoE: the gathered tokens' padding mask (see item 5 above)."""
+    try:
+        from vllm.v1.worker.gpu import model_runner
+    except Exception:  # the V2 runner may not import without a GPU
+        return
+    orig = model_runner.set_forward_context
+
+    @functools.wraps(orig)
+    def set_forward_context(attn_metadata, vllm_config, *args, is_padding=None,
+                            **kwargs):
+        pcp = vllm_config.parallel_config.prefill_context_parallel_size
+        if is_padding is not None and pcp > 1 and _enabled(vllm_config):
+            from .pcp import gathered_padding
+
+            is_padding = gathered_padding(is_padding, pcp)
+        return orig(attn_metadata, vllm_config, *args, is_padding=is_padding,
+                    **kwargs)
+
+    model_runner.set_forward_context = set_forward_context
 
 
 def _patch_cpu_slot_mapping() -> None:

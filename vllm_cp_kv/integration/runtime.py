@@ -7,6 +7,9 @@ sets to the TP group (or, later, the PCP group).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from ..core import debug as core_debug
@@ -21,6 +24,30 @@ logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
 _STATE: "ShardRuntime | None" = None
 _SCRATCH_BLOCKS: int | None = None  # set by the worker from the KV budget
+_PCP_STEP: "PCPStep | None" = None  # set by the PCP manager for one step
+
+
+@dataclass(frozen=True)
+class PCPStep:
+    """What the metadata builder needs from the PCP manager for one step.
+
+    Under PCP each rank runs its own chunks of the global batch; the gather
+    plan must be the same on every rank, so it is made from the global batch
+    (see :func:`vllm_cp_kv.core.plan.plan_split_requests`).
+    """
+
+    keys: np.ndarray  # [G] request-state index of each global request
+    seq_lens: np.ndarray  # [G] tokens each request has after this step
+    row_keys: np.ndarray  # [R_local] request-state index of each local row
+
+
+def record_pcp_step(step: "PCPStep | None") -> None:
+    global _PCP_STEP
+    _PCP_STEP = step
+
+
+def current_pcp_step() -> "PCPStep | None":
+    return _PCP_STEP
 
 
 def set_scratch_capacity(num_blocks: int) -> None:
@@ -66,8 +93,12 @@ class ShardRuntime:
             return self._memo[1]
         if self.debug:
             core_debug.check_plan_identical(plan, self.group.cpu_group)
-            logger.info_once("cp_kv: debug invariants hold (owned writes, plan "
-                             "coverage, identical plans across ranks).")
+            logger.info_once("cp_kv: debug invariants hold (plan coverage, "
+                             "identical plans across ranks%s)." % (
+                                 "" if current_pcp_step() else ", owned writes"))
+        if self.pool is None and _SCRATCH_BLOCKS:
+            # made before the worker sized the scratch (a profile run)
+            self.pool = ScratchPool(_SCRATCH_BLOCKS)
         scratch = self.pool.get(plan, kv_cache) if self.pool is not None else None
         full = gather(plan, self.spec.rank, kv_cache, self.all_gather_into,
                       scratch=scratch)

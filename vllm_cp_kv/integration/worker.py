@@ -44,11 +44,10 @@ class ShardedKVWorker(_PlatformWorker):
         return available - blocks * page_bytes
 
     def _make_model_runner(self):
-        """GPU V2 runner: select the last-token PCP manager (see last_token.py)."""
-        cfg = self.vllm_config
-        if (getattr(self, "use_v2_model_runner", False) and not cfg.is_mm_encoder_only
-                and options_of(cfg).last_token_gather):
-            from .last_token import make_runner_cls
+        """GPU V2 runner: select cp_kv's PCP manager (see pcp.py)."""
+        if getattr(self, "use_v2_model_runner", False) and \
+                not self.vllm_config.is_mm_encoder_only:
+            from .pcp import make_runner_cls
 
-            return make_runner_cls()(cfg, self.device)
+            return make_runner_cls()(self.vllm_config, self.device)
         return super()._make_model_runner()

@@ -1,8 +1,9 @@
 """Run vLLM offline generation once and write a JSON result.
 
-Usage: python -m vllm_cp_kv.tools.generate MODEL OUT_JSON [--tp N] [--shard]
-           [--block-size N] [--backend NAME] [--max-num-batched-tokens N]
-           [--poison] [--corrupt-after-prefill] [--no-plugin]
+Usage: python -m vllm_cp_kv.tools.generate MODEL OUT_JSON [--tp N] [--pcp N]
+           [--shard] [--cp-kv JSON] [--block-size N] [--backend NAME]
+           [--max-num-batched-tokens N] [--gpu-mem F] [--poison]
+           [--corrupt-after-prefill] [--no-plugin]
 
 Used by the demo and the end-to-end tests: each configuration runs in its
 own process so vLLM's workers start fresh. With ``--poison`` every rank's
@@ -82,20 +83,32 @@ def _corrupt_one_owned_block(worker):
     return block
 
 
+def _last_token_stats(worker):
+    """(path, bytes moved, bytes of vLLM's full gather) of the last step's
+    sampling gather, summed over the run (PCP runs only)."""
+    mgr = getattr(worker.model_runner, "pcp_manager", None)
+    return None if mgr is None else getattr(mgr, "cp_kv_stats", None)
+
+
 def run(a) -> dict:
     from vllm import LLM, SamplingParams
 
     kw = dict(model=a.model, tokenizer=a.model, dtype=a.dtype,
               tensor_parallel_size=a.tp, max_model_len=a.max_model_len,
               max_num_seqs=a.max_num_seqs, seed=0, enforce_eager=True)
+    if a.pcp > 1:
+        kw["prefill_context_parallel_size"] = a.pcp
+    if a.gpu_mem:
+        kw.update(gpu_memory_utilization=a.gpu_mem, disable_custom_all_reduce=True)
     if a.block_size:
         kw["block_size"] = a.block_size
     if a.backend:
         kw["attention_config"] = {"backend": a.backend}
     if a.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = a.max_num_batched_tokens
-    if a.shard:
-        kw["additional_config"] = {"cp_kv": {"enable": True}}
+    if a.shard or a.cp_kv:
+        kw["additional_config"] = {"cp_kv": {"enable": True,
+                                             **json.loads(a.cp_kv or "{}")}}
     llm = LLM(**kw)
     vllm_config = llm.llm_engine.vllm_config
     cache_config = vllm_config.cache_config
@@ -104,7 +117,12 @@ def run(a) -> dict:
     texts = prompts(a.num_prompts)
     from vllm_cp_kv.integration import plugin
 
-    res: dict = {"shard": a.shard, "tp": a.tp,
+    parallel = vllm_config.parallel_config
+    res: dict = {"shard": a.shard, "tp": a.tp, "pcp": a.pcp,
+                 "cp_kv": kw.get("additional_config"),
+                 # tokens the scheduler can hold: one block spans DCP ranks
+                 "capacity_tokens": cache_config.num_gpu_blocks * cache_config.block_size
+                 * parallel.decode_context_parallel_size,
                  "plugin_loaded": plugin._INSTALLED,
                  "kv_cache_tokens": getattr(cache_config, "kv_cache_size_tokens", None),
                  "num_gpu_blocks": cache_config.num_gpu_blocks,
@@ -134,6 +152,8 @@ def run(a) -> dict:
     res["texts"] = [o.outputs[0].text for o in outs]
     if a.poison:
         res["written_rows"] = llm.collective_rpc(_written_rows)
+    if a.pcp > 1:
+        res["last_token"] = llm.collective_rpc(_last_token_stats)
     return res
 
 
@@ -142,7 +162,12 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("out")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pcp", type=int, default=1)
     ap.add_argument("--shard", action="store_true")
+    ap.add_argument("--cp-kv", default=None,
+                    help='more cp_kv options, e.g. \'{"kv_sharding": false}\'')
+    ap.add_argument("--gpu-mem", type=float, default=None,
+                    help="gpu_memory_utilization (GPU runs)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=1024)

@@ -48,8 +48,7 @@ def build(out_dir: str, *, gpu_heads: bool = False, num_layers: int = 3,
     """Write a model directory and return its path (skips if present)."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
-    import torch
-    from transformers import AutoModelForCausalLM, DeepseekV2Config
+    from transformers import DeepseekV2Config
 
     tok = build_tokenizer(700)
     nope, v = (128, 128) if gpu_heads else (32, 32)
@@ -65,11 +64,44 @@ def build(out_dir: str, *, gpu_heads: bool = False, num_layers: int = 3,
         norm_topk_prob=False, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         vocab_size=len(tok))
+    return _write(cfg, tok, out_dir, seed)
+
+
+def build_v3_attention(out_dir: str) -> str:
+    """Two layers with DeepSeek-V3 attention shapes (hidden 7168, 128 heads,
+    q_lora 1536, kv_lora 512, rope 64, nope 128, v 128), a small dense MLP
+    and vocabulary, random weights: for time-to-first-token runs on a GPU."""
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    import torch
+    from transformers import DeepseekV2Config
+
+    tok = build_tokenizer(700)
+    cfg = DeepseekV2Config(
+        vocab_size=1024, hidden_size=7168, intermediate_size=2048,
+        moe_intermediate_size=256, num_hidden_layers=2, num_attention_heads=128,
+        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, head_dim=64,
+        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,
+        max_position_embeddings=131072, tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id)
+    # about 1 GB of weights: initialized on the GPU when there is one
+    return _write(cfg, tok, out_dir, seed=0,
+                  device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _write(cfg, tok, out_dir: str, seed: int, device: str = "cpu") -> str:
+    """Random bf16 weights, tokenizer, and a config without the fields other
+    transformers releases reject on load."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
-    # drop fields newer transformers releases reject on load elsewhere
     path = os.path.join(out_dir, "config.json")
     with open(path) as f:
         data = json.load(f)
@@ -106,9 +138,11 @@ def main() -> None:
     ap.add_argument("--dense", action="store_true", help="no MoE layers")
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--llama", action="store_true", help="tiny non-MLA model")
+    ap.add_argument("--v3-attention", action="store_true",
+                    help="2 layers with DeepSeek-V3 attention shapes (TTFT runs)")
     a = ap.parse_args()
-    if a.llama:
-        print(build_llama(a.out_dir))
+    if a.llama or a.v3_attention:
+        print((build_llama if a.llama else build_v3_attention)(a.out_dir))
         return
     print(build(a.out_dir, gpu_heads=a.gpu_heads, num_layers=a.layers,
                 moe=not a.dense))

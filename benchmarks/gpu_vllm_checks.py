@@ -1,0 +1,266 @@
+"""Every GPU check of cp_kv in real vLLM, on the lent 2x H200 machine.
+
+Usage (on the GPU machine, after ``source scripts/gpu/setup_device.sh``):
+    python benchmarks/gpu_vllm_checks.py OUT_DIR [--runs NAME,...|GROUP]
+        [--budget-s 560]
+GROUPs: ``pcp`` (PCP=2, dense and MoE), ``tp`` (TP=2 with FLASH_ATTN_MLA,
+FLASHMLA, TRITON_MLA), ``ttft`` (time to first token), ``all``.
+
+Each configuration runs in its own process (``vllm_cp_kv.tools.generate`` or
+``benchmarks/gpu_vllm_ttft.py``) with a timeout; a run that fails is recorded
+with the tail of its log, the others go on. Sharded correctness runs have
+``VLLM_CP_KV_DEBUG=1`` (all invariant checks on), TTFT runs do not.
+Writes OUT_DIR/<run>.json|.log, OUT_DIR/summary.json, and prints a table last.
+docs/gpu-testing.md says how to stage the payload and run this.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = os.environ.get("CPKV_GPU_MODELS", "/root/models")
+BACKENDS = ("FLASH_ATTN_MLA", "FLASHMLA", "TRITON_MLA")
+TTFT_LENS = os.environ.get("CPKV_TTFT_LENS", "8192,32768,65536")
+PCP = ["--tp", "1", "--pcp", "2", "--gpu-mem", "0.3"]
+TP = ["--tp", "2", "--gpu-mem", "0.3"]
+DEBUG = {"VLLM_CP_KV_DEBUG": "1"}
+
+
+def runs():
+    """name -> (kind, model, args, env)."""
+    r = {
+        "pcp2-dense-shard": ("gen", "dense", PCP + ["--shard", "--poison"], DEBUG),
+        "pcp2-dense-plain": ("gen", "dense", PCP + ["--no-plugin", "--poison"], {}),
+        "pcp2-moe-shard": ("gen", "moe", PCP + ["--shard", "--poison"], DEBUG),
+        # plain vLLM 0.32 fails here (MoE padding mask); the plugin's fix with
+        # vLLM's replicated layout is the baseline
+        "pcp2-moe-base": ("gen", "moe", PCP + ["--cp-kv", '{"kv_sharding": false}'], {}),
+        "pcp2-moe-plain": ("gen", "moe", PCP + ["--no-plugin"], {}),
+        "pcp2-dense-corrupt": ("gen", "dense", PCP + ["--shard", "--poison",
+                                                      "--corrupt-after-prefill"], {}),
+    }
+    # TRITON_MLA's decode kernel does not change its split with the batch
+    # size, which differs between the two PCP layouts (see docs)
+    r["pcp2-dense-triton-shard"] = ("gen", "dense", PCP + ["--backend", "TRITON_MLA", "--shard"], DEBUG)
+    r["pcp2-dense-triton-plain"] = ("gen", "dense", PCP + ["--backend", "TRITON_MLA", "--no-plugin"], {})
+    for b in BACKENDS:
+        r[f"tp2-{b}-shard"] = ("gen", "moe", TP + ["--backend", b, "--shard", "--poison"], DEBUG)
+        r[f"tp2-{b}-plain"] = ("gen", "moe", TP + ["--backend", b, "--no-plugin"], {})
+    r["ttft-pcp2-shard"] = ("ttft", "v3attn", ["--pcp", "2", "--shard", "--lens", TTFT_LENS], {})
+    r["ttft-pcp2-repl"] = ("ttft", "v3attn", ["--pcp", "2", "--lens", TTFT_LENS], {})
+    return r
+
+
+GROUPS = {
+    "pcp": ["pcp2-dense-shard", "pcp2-dense-plain", "pcp2-moe-shard", "pcp2-moe-base",
+            "pcp2-dense-corrupt"],
+    "vllm-moe-bug": ["pcp2-moe-plain"],
+    "pcp-triton": ["pcp2-dense-triton-shard", "pcp2-dense-triton-plain"],
+    "tp": [f"tp2-{b}-{k}" for b in BACKENDS for k in ("shard", "plain")],
+    "ttft": ["ttft-pcp2-shard", "ttft-pcp2-repl"],
+}
+GROUPS["all"] = GROUPS["pcp"] + GROUPS["pcp-triton"] + GROUPS["vllm-moe-bug"] + GROUPS["tp"] + GROUPS["ttft"]
+
+
+def model_dir(kind):
+    sys.path.insert(0, ROOT)
+    from vllm_cp_kv.tools import tiny_model
+
+    path = os.path.join(MODELS, kind)
+    if kind == "v3attn":
+        return tiny_model.build_v3_attention(path)
+    return tiny_model.build(path, gpu_heads=True, moe=kind == "moe")
+
+
+def run_one(name, spec, out, timeout):
+    kind, model, args, env = spec
+    path = model_dir(model)
+    js = os.path.join(out, f"{name}.json")
+    if kind == "gen":
+        cmd = [sys.executable, "-m", "vllm_cp_kv.tools.generate", path, js, *args]
+    else:
+        cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_vllm_ttft.py"),
+               path, js, *args]
+    t0 = time.time()
+    with open(os.path.join(out, f"{name}.log"), "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log,
+                                stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return load_run(out, name, rc, wall_s=round(time.time() - t0, 1))
+
+
+def load_run(out, name, rc=0, **extra):
+    """A run's JSON result plus what its log shows (debug checks, bytes)."""
+    res = {"name": name, "rc": rc, **extra}
+    js, log = os.path.join(out, f"{name}.json"), os.path.join(out, f"{name}.log")
+    text = open(log).read() if os.path.exists(log) else ""
+    if rc == 0 and os.path.exists(js):
+        with open(js) as f:
+            res.update(json.load(f))
+    else:
+        res["log_tail"] = text[-4000:]
+    res["debug_invariants_hold"] = "debug invariants hold" in text
+    res["last_token_log_lines"] = [l for l in text.splitlines()
+                                   if "cp_kv last-token gather" in l][:4]
+    return res
+
+
+def owned_rows(prompt_lens, new_tokens, block_size, n):
+    """Rows each of n ranks writes per layer (the last token is never fed back)."""
+    sys.path.insert(0, ROOT)
+    from vllm_cp_kv.core.ownership import brute_force_owned_counts
+
+    return brute_force_owned_counts([p + new_tokens - 1 for p in prompt_lens],
+                                    block_size, n)
+
+
+def compare(results):
+    """Checks derived from pairs of runs; each entry has ok and figures."""
+    out = {}
+
+    def pair(key, shard, base, ranks=2):
+        s, b = results.get(shard), results.get(base)
+        if not s or not b or s.get("rc") != 0 or b.get("rc") != 0:
+            out[key] = {"ok": False, "why": "a run is missing or failed"}
+            return
+        same = s["tokens"] == b["tokens"]
+        ratio = s["capacity_tokens"] / b["capacity_tokens"]
+        c = {"same_tokens": same, "prompts": len(s["tokens"]),
+             "new_tokens": len(s["tokens"][0]), "prompt_lens": s["prompt_lens"],
+             "capacity_shard": s["capacity_tokens"], "capacity_base": b["capacity_tokens"],
+             "capacity_ratio": round(ratio, 3), "backends": s.get("backends"),
+             "debug_invariants_hold": s["debug_invariants_hold"]}
+        ok = same and ratio >= 1.95 and s["debug_invariants_hold"]
+        if "written_rows" in s:
+            want = owned_rows(s["prompt_lens"], len(s["tokens"][0]), s["block_size"], ranks)
+            got = [sorted(set(layers)) for layers in s["written_rows"]]
+            c.update(written_rows=got, owned_rows_expected=want)
+            ok = ok and all(g == [w] for g, w in zip(got, want))
+        c["ok"] = ok
+        out[key] = c
+
+    pair("pcp2-dense", "pcp2-dense-shard", "pcp2-dense-plain")
+    pair("pcp2-moe", "pcp2-moe-shard", "pcp2-moe-base")
+    pair("pcp2-dense-triton", "pcp2-dense-triton-shard", "pcp2-dense-triton-plain")
+    for b in BACKENDS:
+        pair(f"tp2-{b}", f"tp2-{b}-shard", f"tp2-{b}-plain")
+    bad = results.get("pcp2-dense-corrupt")
+    ref = results.get("pcp2-dense-shard")
+    if bad and ref and bad.get("rc") == 0 and ref.get("rc") == 0:
+        out["negative-control"] = {"ok": bad["tokens"] != ref["tokens"],
+                                   "corrupted_block": bad.get("corrupted_block")}
+    plain = results.get("pcp2-moe-plain")
+    if plain:
+        out["vllm-pcp-moe-without-fix"] = {
+            "rc": plain.get("rc"),
+            "error": next((l for l in plain.get("log_tail", "").splitlines()
+                           if "is_padding" in l), None)}
+    for run in ("pcp2-dense-shard", "pcp2-moe-shard"):
+        r = results.get(run)
+        if r and r.get("rc") == 0:
+            stats = [s for s in (r.get("last_token") or []) if s]
+            out[f"last-token-{run}"] = {"ok": bool(stats) and all(s["narrow_steps"] > 0 for s in stats),
+                                        "stats_per_rank": stats,
+                                        "log": r["last_token_log_lines"]}
+    s, b = results.get("ttft-pcp2-shard"), results.get("ttft-pcp2-repl")
+    if s and b and s.get("rc") == 0 and b.get("rc") == 0:
+        ratios = {n: round(s["ttft_ms"][n]["median"] / b["ttft_ms"][n]["median"], 3)
+                  for n in s["ttft_ms"] if n in b["ttft_ms"]}
+        out["ttft"] = {"ok": all(v <= 1.05 for v in ratios.values()), "ratio": ratios,
+                       "shard_ms": {n: v["median"] for n, v in s["ttft_ms"].items()},
+                       "replicated_ms": {n: v["median"] for n, v in b["ttft_ms"].items()},
+                       "capacity_ratio": round(s["capacity_tokens"] / b["capacity_tokens"], 3)}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--runs", default="all")
+    ap.add_argument("--budget-s", type=float, default=560)
+    ap.add_argument("--summarize", action="store_true",
+                    help="no runs: rebuild summary.json, the table and the plot "
+                         "from OUT's <run>.json/.log (e.g. runs from several calls)")
+    a = ap.parse_args()
+    if a.summarize:
+        names = sorted(f[:-5] for f in os.listdir(a.out) if f.endswith(".json")
+                       and f != "summary.json")
+        results = {n: load_run(a.out, n) for n in names}
+        return report(a.out, results)
+    start = time.time()
+    os.makedirs(a.out, exist_ok=True)
+    table = runs()
+    names = [n for part in a.runs.split(",") for n in GROUPS.get(part, [part])]
+    summary_path = os.path.join(a.out, "summary.json")
+    results = {}
+    if os.path.exists(summary_path):  # results of earlier calls in the lease
+        with open(summary_path) as f:
+            results = json.load(f)["runs"]
+    for name in names:
+        left = a.budget_s - (time.time() - start)
+        if left < 60:
+            results[name] = {"name": name, "rc": "skipped (budget)"}
+            continue
+        cap = 330 if table[name][0] == "ttft" else 200
+        results[name] = run_one(name, table[name], a.out, timeout=min(cap, left - 15))
+        print(f"{name}: rc={results[name]['rc']} {results[name]['wall_s']} s", flush=True)
+        with open(summary_path, "w") as f:
+            json.dump({"runs": results, "checks": compare(results)}, f, indent=1)
+    report(a.out, results)
+
+
+def report(out, results):
+    checks = compare(results)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump({"runs": results, "checks": checks}, f, indent=1)
+    plot(out, checks)
+    print("\ncheck | ok | figures")
+    for key, c in checks.items():
+        figs = {k: v for k, v in c.items() if k in ("capacity_ratio", "same_tokens", "ratio",
+                                                     "rc", "error", "corrupted_block")}
+        print(f"{key} | {c.get('ok', '-')} | {json.dumps(figs)}")
+
+
+def plot(out, checks):
+    """Capacity ratio per layout and TTFT per prompt length (PNG)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    pairs = {k: c for k, c in checks.items() if "capacity_ratio" in c and "same_tokens" in c}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.bar(range(len(pairs)), [c["capacity_ratio"] for c in pairs.values()],
+            color=["tab:green" if c["ok"] else "tab:red" for c in pairs.values()])
+    ax1.axhline(1.95, ls="--", c="k", lw=1)
+    ax1.set_xticks(range(len(pairs)), list(pairs), rotation=30, ha="right", fontsize=7)
+    ax1.set_ylabel("KV capacity, sharded / unsharded")
+    ax1.set_title("same tokens: " + ", ".join("yes" if c["same_tokens"] else "NO"
+                                               for c in pairs.values()), fontsize=8)
+    t = checks.get("ttft")
+    if t:
+        lens = list(t["shard_ms"])
+        x = range(len(lens))
+        ax2.bar([i - 0.2 for i in x], [t["replicated_ms"][n] for n in lens], 0.4,
+                label="PCP=2 replicated")
+        ax2.bar([i + 0.2 for i in x], [t["shard_ms"][n] for n in lens], 0.4,
+                label="PCP=2 sharded (cp_kv)")
+        for i, n in enumerate(lens):
+            ax2.text(i, max(t["shard_ms"][n], t["replicated_ms"][n]), f"{t['ratio'][n]:.3f}",
+                     ha="center", va="bottom", fontsize=8)
+        ax2.set_xticks(list(x), [f"{int(n) // 1024}K" for n in lens])
+        ax2.set_ylabel("TTFT ms (median of 5)")
+        ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "gpu_vllm.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Time to first token in real vLLM on GPU, one parallel layout per process.
+
+Usage: python benchmarks/gpu_vllm_ttft.py MODEL OUT_JSON --pcp 2 [--shard]
+           [--lens 8192,32768,65536] [--reps 5]
+MODEL: ``python -m vllm_cp_kv.tools.tiny_model DIR --v3-attention`` (2 layers,
+DeepSeek-V3 attention shapes). Random-token prompts, ``max_tokens=1``, one
+warm-up, then the median of ``reps`` runs per length (a fresh prompt each
+time, so nothing is cached). ``gpu_vllm_checks.py`` runs it for sharded and
+replicated PCP in the same lease and reports ratios.
+"""
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("out")
+    ap.add_argument("--pcp", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--shard", action="store_true")
+    ap.add_argument("--lens", default="8192,32768")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--gpu-mem", type=float, default=0.5)
+    a = ap.parse_args()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    lens = [int(x) for x in a.lens.split(",")]
+    kw = dict(model=a.model, dtype="bfloat16", enforce_eager=True,
+              max_model_len=max(lens) + 64, gpu_memory_utilization=a.gpu_mem,
+              tensor_parallel_size=a.tp, prefill_context_parallel_size=a.pcp,
+              seed=0, max_num_seqs=4, disable_custom_all_reduce=True)
+    if a.shard:
+        kw["additional_config"] = {"cp_kv": {"enable": True}}
+    llm = LLM(**kw)
+    vc = llm.llm_engine.vllm_config
+    res = {"pcp": a.pcp, "tp": a.tp, "shard": a.shard,
+           "block_size": vc.cache_config.block_size,
+           "capacity_tokens": vc.cache_config.num_gpu_blocks * vc.cache_config.block_size
+           * vc.parallel_config.decode_context_parallel_size,
+           "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens}
+    rnd = random.Random(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def prompt(n):
+        return TokensPrompt(prompt_token_ids=[rnd.randrange(3, 1000) for _ in range(n)])
+
+    llm.generate([prompt(lens[0])], sp, use_tqdm=False)  # warm-up
+    res["ttft_ms"] = {}
+    for n in lens:
+        times = []
+        for _ in range(a.reps):
+            p = prompt(n)
+            t0 = time.perf_counter()
+            llm.generate([p], sp, use_tqdm=False)
+            times.append(1000 * (time.perf_counter() - t0))
+        res["ttft_ms"][str(n)] = {"median": round(statistics.median(times), 2),
+                                  "min": round(min(times), 2),
+                                  "all": [round(t, 2) for t in times]}
+    with open(a.out, "w") as f:
+        json.dump(res, f)
+    print("RESULT", json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# On the GPU machine, after staging (docs/gpu-testing.md): unpack the payload
+# from /root/stage into /root/site, use the machine's own NVIDIA libraries next
+# to the carried NCCL, and register this checkout's vLLM plugin entry point.
+# Usage: source scripts/gpu/setup_device.sh   (idempotent)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+VS=/opt/torch/.venv/lib/python3.12/site-packages
+if [ ! -d /root/site/vllm ]; then
+  t=$(date +%s)
+  cat /root/stage/p.* | xz -d -T0 | tar -x -C /root
+  echo "payload unpacked in $(( $(date +%s) - t )) s"
+  for d in "$VS"/nvidia/*/; do n=$(basename "$d"); [ -e /root/site/nvidia/$n ] || ln -s "${d%/}" /root/site/nvidia/$n; done
+  rm -rf "$VS"/torchaudio "$VS"/torchaudio-*.dist-info
+fi
+# vLLM finds plugins through entry points: a dist-info next to the checkout
+mkdir -p /root/cpkv/vllm_cp_kv-0.1.0.dist-info
+printf 'Metadata-Version: 2.1\nName: vllm_cp_kv\nVersion: 0.1.0\n' > /root/cpkv/vllm_cp_kv-0.1.0.dist-info/METADATA
+printf '[vllm.general_plugins]\ncp_kv = vllm_cp_kv:register\n' > /root/cpkv/vllm_cp_kv-0.1.0.dist-info/entry_points.txt
+export PYTHONPATH=/root/site:/root/cpkv:$ROOT PYTHONUNBUFFERED=1
+# NVLink multicast off (platform notes); no flashinfer in the payload
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1

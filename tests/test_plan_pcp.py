@@ -1,0 +1,89 @@
+"""Planning under prefill context parallelism: every rank runs different
+chunks of the same requests (vLLM's own DualChunkSwap split, taken from its
+``PCPManager``), yet the gather is a collective, so every rank must derive
+the same plan (``plan_split_requests``), and each local row must see its
+own context through its translated table (checked against a brute-force
+read from the owners)."""
+
+import numpy as np
+import pytest
+import torch
+
+from builders import BS, make_batch, spec
+from conftest import needs_vllm
+from vllm_cp_kv.core import debug
+from vllm_cp_kv.core.plan import brute_force_full_view, plan_split_requests
+
+pytestmark = needs_vllm
+
+# (num_scheduled_tokens, num_computed_tokens, is_prefilling)
+SCENARIOS = {
+    "fresh_prefills": ([37, 128, 9, 300], [0, 0, 0, 0], [True] * 4),
+    "chunked_prefill_with_context": ([64, 200], [96, 17], [True, True]),
+    "decodes_mixed_with_prefills": ([1, 1, 77, 1, 260], [40, 300, 0, 5, 33],
+                                    [False, False, True, False, True]),
+    "short_prefills_replicated": ([3, 2], [0, 0], [True, True]),
+}
+
+
+def local_rows(mgr, rank, sched, computed, prefilling):
+    """This rank's rows: (global request index, tokens the row reads)."""
+    qsl = np.concatenate([[0], np.cumsum(sched)])
+    rows = []
+    for seg in mgr._get_rank_segments(rank, sched, prefilling, qsl):
+        g = seg.global_batch_req_idx
+        start = computed[g] + seg.global_batch_slice.start - qsl[g]
+        # prefill chunks read their context; decodes their whole sequence
+        reads = start if prefilling[g] else start + seg.num_tokens
+        rows.append((g, int(reads)))
+    return rows
+
+
+def manager(n, rank, dcp):
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager
+
+    return PCPManager(pcp_world_size=n, pcp_rank=rank, device=torch.device("cpu"),
+                      shard_decode_requests=dcp == 1, dcp_world_size=dcp)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_every_rank_derives_the_same_plan(n, name):
+    sched, computed, prefilling = (np.array(x) for x in SCENARIOS[name])
+    total = computed + sched
+    table, _, caches = make_batch(n, total.tolist(), seed=n, num_blocks=256)
+    keys = np.array([7, 3, 11, 0, 5])[: len(sched)]  # request-state indices
+    state_table = torch.zeros(16, table.shape[1], dtype=table.dtype)
+    state_table[torch.as_tensor(keys)] = table
+    ref = brute_force_full_view(spec(n), table, torch.as_tensor(total), caches)
+    plans = []
+    for rank in range(n):
+        rows = local_rows(manager(n, rank, dcp=n), rank, sched, computed, prefilling)
+        row_keys = keys[[g for g, _ in rows]]
+        plan, full, global_table = plan_split_requests(
+            spec(n, rank), state_table[row_keys], row_keys, keys, torch.as_tensor(total))
+        debug.check_plan_covers(plan, global_table, torch.as_tensor(total))
+        scratch = torch.cat([caches[r][plan.send_block_ids[r]] for r in range(n)])
+        for (g, reads), row in zip(rows, full):
+            nb = -(-reads // BS)
+            assert torch.equal(scratch[row[:nb].long()], ref[g][:nb]), (name, rank, g)
+        plans.append(plan)
+    for plan in plans[1:]:
+        assert torch.equal(plan.send_block_ids, plans[0].send_block_ids)
+        assert torch.equal(plan.full_block_table, plans[0].full_block_table)
+
+
+def test_a_rank_without_a_request_is_refused():
+    """vLLM's PCP-only layout (DCP 1) gives each decode to one rank: the
+    other rank cannot know that request's blocks, so planning refuses
+    (cp_kv sets DCP = PCP, which keeps decodes on every rank)."""
+    sched, computed, prefilling = (np.array([1, 1, 50]), np.array([10, 20, 0]),
+                                   np.array([False, False, True]))
+    keys = np.arange(3)
+    table = torch.arange(1, 1 + 3 * 8, dtype=torch.int32).view(3, 8)
+    rows = local_rows(manager(2, 1, dcp=1), 1, sched, computed, prefilling)
+    row_keys = keys[[g for g, _ in rows]]
+    assert len(set(row_keys.tolist())) < 3
+    with pytest.raises(ValueError, match="no row on this rank"):
+        plan_split_requests(spec(2, 1), table[row_keys], row_keys, keys,
+                            torch.as_tensor(computed + sched))

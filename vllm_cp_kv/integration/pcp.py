@@ -1,0 +1,101 @@
+"""cp_kv under prefill context parallelism (vLLM's V2 GPU model runner).
+
+:class:`CPKVPCPManager` extends the last-token manager with what sharding
+over the PCP group needs, and :func:`make_runner_cls` selects it through
+``GPUModelRunner.pcp_manager_cls`` (vLLM's hook for its PCP manager).
+
+* **Layout.** The plugin sets DCP = PCP (vLLM 0.32 lets the DCP group span
+  the PCP axis), so vLLM's scheduler, block tables and slot mapping already
+  use the sharded block layout. Each rank all-gathers every rank's new KV
+  (vLLM's PCP path) and writes only the rows it owns.
+* **Plan.** Ranks run different chunks of each prefill, but the full-view
+  gather is a collective: each step the manager records the global batch
+  (:class:`~vllm_cp_kv.integration.runtime.PCPStep`) so that every rank's
+  metadata builder derives the same plan.
+* **MoE padding.** Under PCP vLLM's MoE layers route the PCP-gathered tokens
+  but read the rank-local padding mask (vLLM 0.32: ``topk_softmax ...
+  is_padding size mismatch``); the manager records the gathered mask and the
+  plugin hands it to the forward context (``plugin._patch_forward_context``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm.v1.worker.gpu.pcp_manager import PCPManager
+
+from .last_token import LastTokenPCPManager, bound_manager_cls
+from .options import options_of
+from .runtime import PCPStep, record_pcp_step
+
+_GATHERED_PADDING: tuple | None = None  # (local mask, PCP-gathered mask)
+
+
+def gathered_padding(is_padding: torch.Tensor, pcp_size: int) -> torch.Tensor:
+    """The padding mask of the PCP-gathered tokens (rank-major).
+
+    For a real step it is the one the manager recorded for this local mask;
+    dummy and profile runs are identical on every rank, so their mask
+    repeats.
+    """
+    if _GATHERED_PADDING is not None and _GATHERED_PADDING[0] is is_padding:
+        return _GATHERED_PADDING[1]
+    return is_padding.repeat(pcp_size)
+
+
+class CPKVPCPManager(LastTokenPCPManager):
+    """vLLM's PCP manager with the last-token gather and KV sharding."""
+
+    @staticmethod
+    def validate_config(vllm_config, supports_mm_inputs: bool) -> None:
+        parallel = vllm_config.parallel_config
+        if not options_of(vllm_config).kv_sharding:
+            return PCPManager.validate_config(vllm_config, supports_mm_inputs)
+        # vLLM refuses PCP + DCP for dense MLA because its LSE-merging
+        # prefill sizes collectives per rank (vllm#53573); sharded ranks
+        # read a materialized full view instead, so run vLLM's other checks
+        # with DCP hidden.
+        dcp = parallel.decode_context_parallel_size
+        parallel.decode_context_parallel_size = 1
+        try:
+            PCPManager.validate_config(vllm_config, supports_mm_inputs)
+        finally:
+            parallel.decode_context_parallel_size = dcp
+
+    def partition_batch(self, input_batch, batch_desc):
+        global _GATHERED_PADDING
+        local = super().partition_batch(input_batch, batch_desc)
+        g = self.global_batch
+        sched = np.asarray(g.num_scheduled_tokens)
+        record_pcp_step(PCPStep(
+            keys=np.asarray(g.idx_mapping_np[: g.num_reqs]).copy(),
+            seq_lens=(np.asarray(g.num_computed_tokens_np[: g.num_reqs])
+                      + sched[: g.num_reqs]).astype(np.int64),
+            row_keys=np.asarray(local.idx_mapping_np[: local.num_reqs]).copy()))
+        counts = [sum(n for _, _, n in self._iter_rank_chunks(r, sched, g.is_prefilling_np))
+                  for r in range(self.pcp_world_size)]
+        padded = local.is_padding.shape[0]
+        mask = (torch.arange(padded)[None, :] >= torch.tensor(counts)[:, None]).flatten()
+        _GATHERED_PADDING = (local.is_padding, mask.to(self.device, non_blocking=True))
+        return local
+
+    def restore_for_sampling(self, hidden_states, aux_hidden_states):
+        global _GATHERED_PADDING
+        record_pcp_step(None)
+        _GATHERED_PADDING = None
+        return super().restore_for_sampling(hidden_states, aux_hidden_states)
+
+
+def make_runner_cls():
+    """vLLM's V2 GPU model runner selecting :class:`CPKVPCPManager`."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    class CPKVModelRunner(GPUModelRunner):
+        @property
+        def pcp_manager_cls(self):
+            cls = bound_manager_cls(self, CPKVPCPManager)
+            cls.narrow_gather = options_of(self.vllm_config).last_token_gather
+            return cls
+
+    return CPKVModelRunner
