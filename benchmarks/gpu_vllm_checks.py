@@ -17,6 +17,7 @@ docs/gpu-testing.md says how to stage the payload and run this.
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -87,11 +88,17 @@ def run_one(name, spec, out, timeout):
                path, js, *args]
     t0 = time.time()
     with open(os.path.join(out, f"{name}.log"), "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log,
-                                stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = "timeout"
+        finally:  # vLLM's engine and workers hold GPU memory: kill the group
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     return load_run(out, name, rc, wall_s=round(time.time() - t0, 1))
 
 

@@ -87,3 +87,26 @@ def test_a_rank_without_a_request_is_refused():
     with pytest.raises(ValueError, match="no row on this rank"):
         plan_split_requests(spec(2, 1), table[row_keys], row_keys, keys,
                             torch.as_tensor(computed + sched))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_moe_padding_mask_matches_vllms_layout(n, name, monkeypatch):
+    """The PCP-gathered padding mask the plugin hands vLLM's MoE layers:
+    per-rank token counts equal those of vLLM's own batch layout, and the
+    mask marks exactly the padded rows of each rank's slice."""
+    from vllm.v1.worker.gpu import pcp_manager as vpcp
+    from vllm_cp_kv.integration.pcp import gathered_padding_mask, rank_token_counts
+
+    monkeypatch.setattr(vpcp, "async_tensor_h2d",
+                        lambda data, device=None, **kw: torch.as_tensor(data, device=device))
+    sched, computed, prefilling = (np.array(x) for x in SCENARIOS[name])
+    qsl = np.concatenate([[0], np.cumsum(sched)])
+    mgr = manager(n, 0, dcp=n)
+    _, per_rank = mgr._build_batch_layout(sched, computed, prefilling, qsl)
+    counts = rank_token_counts(mgr, sched, prefilling)
+    assert counts == per_rank
+    padded = max(per_rank) + 3  # as with a padded (graph-sized) batch
+    mask = gathered_padding_mask(counts, padded).view(n, padded)
+    for r in range(n):
+        assert mask[r].tolist() == [i >= per_rank[r] for i in range(padded)]

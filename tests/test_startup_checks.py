@@ -87,6 +87,36 @@ def test_row_pcp_and_tp(tiny_dsv2):
     expect_row("pcp-and-tp", tiny_dsv2, prefill_context_parallel_size=2)
 
 
+def _gpu_args(**kw):
+    """Engine args as the checks read them, for rows that need a GPU platform
+    (this machine is CPU-only: the platform query is replaced)."""
+    from types import SimpleNamespace
+
+    base = dict(tensor_parallel_size=1, prefill_context_parallel_size=2,
+                pipeline_parallel_size=1, worker_cls="auto", enforce_eager=True,
+                kv_transfer_config=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def _expect_gpu_row(row, monkeypatch, **kw):
+    from vllm_cp_kv.integration import checks
+    from vllm_cp_kv.integration.options import CPKVOptions
+
+    monkeypatch.setattr(checks, "_on_gpu", lambda: True)
+    with pytest.raises(ValueError) as info:
+        checks.check_engine_args(_gpu_args(**kw), CPKVOptions(enable=True))
+    assert any(m in str(info.value) for m in DOC[row]), (row, str(info.value))
+
+
+def test_row_cuda_graphs(monkeypatch):
+    _expect_gpu_row("cuda-graphs", monkeypatch, enforce_eager=False)
+
+
+def test_row_pcp_connector(monkeypatch):
+    _expect_gpu_row("pcp-connector", monkeypatch,
+                    kv_transfer_config={"kv_connector": "ShardedKVConnector"})
+
+
 def test_row_pp(tiny_dsv2):
     expect_row("pp", tiny_dsv2, pipeline_parallel_size=2)
 

@@ -1,6 +1,7 @@
 """Owned-block transfer with real NIXL (UCX, loopback) and Mooncake (TCP):
-two prefill "ranks" (processes) hold a sharded latent cache in the block
-ownership layout; a receiver process pulls each rank's owned blocks, by the
+two prefill "ranks" (processes) hold a sharded cache in the block ownership
+layout (the MLA latent, or for sparse models the latent plus the indexer
+K/scale cache, vLLM's page layouts with random bytes); a receiver process pulls each rank's owned blocks, by the
 manifest with explicit logical positions, into its own unsharded block
 table. The result must be byte-identical to the unsharded layout built
 directly from the same data (the reference), contiguous runs must merge
@@ -23,13 +24,23 @@ from vllm_cp_kv.core.ownership import num_logical_blocks
 N, BS, D, LAYERS = 2, 16, 576, 2
 NUM_TOKENS = 21 * BS + 5  # 22 logical blocks
 NUM_BLOCKS = 40  # physical blocks per rank / at the receiver
+# per layer: (per-block shape, dtype) of each cache
+LATENT = ((BS, D), torch.bfloat16)  # kv_c + k_pe, 1152 bytes per token
+INDEXER = ((BS * 132,), torch.uint8)  # BS x 128 fp8 keys, then BS fp32 scales
+LAYOUTS = {"latent": [LATENT] * LAYERS, "latent+indexer": [LATENT, INDEXER] * LAYERS}
 
 
-def reference_cache():
-    """Unsharded KV of one request: [LAYERS, n_logical, BS, D] bf16."""
+def reference_caches(layout):
+    """Unsharded KV of one request: per cache [n_logical, *block shape]."""
     n = num_logical_blocks(NUM_TOKENS, BS)
     gen = torch.Generator().manual_seed(0)
-    return torch.randn((LAYERS, n, BS, D), generator=gen).to(torch.bfloat16)
+    return [torch.randn((n, *shape), generator=gen).to(dtype) if dtype.is_floating_point
+            else torch.randint(0, 256, (n, *shape), generator=gen, dtype=dtype)
+            for shape, dtype in LAYOUTS[layout]]
+
+
+def empty_caches(layout):
+    return [torch.zeros((NUM_BLOCKS, *shape), dtype=dtype) for shape, dtype in LAYOUTS[layout]]
 
 
 def virtual_table():
@@ -37,16 +48,15 @@ def virtual_table():
     return [3 + c for c in range(-(-n // N))]  # consecutive: runs merge
 
 
-def prefill_rank(rank, transport, to_recv, from_recv):
+def prefill_rank(rank, transport, layout, to_recv, from_recv):
     from vllm_cp_kv.integration.transfer import make_transport
 
-    ref = reference_cache()
-    table = virtual_table()
-    caches = [torch.zeros((NUM_BLOCKS, BS, D), dtype=torch.bfloat16) for _ in range(LAYERS)]
-    manifest = owned_manifest(rank, N, BS, table, NUM_TOKENS)
-    for layer in range(LAYERS):  # this rank stores only its owned blocks
+    ref = reference_caches(layout)
+    caches = empty_caches(layout)
+    manifest = owned_manifest(rank, N, BS, virtual_table(), NUM_TOKENS)
+    for cache, full in zip(caches, ref):  # this rank stores only its owned blocks
         for j, phys in manifest:
-            caches[layer][phys] = ref[layer, j]
+            cache[phys] = full[j]
     t = make_transport(transport, "127.0.0.1")
     meta = t.register(caches)
     to_recv.put((rank, {"transport_meta": meta, "layer_addrs": [c.data_ptr() for c in caches],
@@ -59,12 +69,12 @@ def prefill_rank(rank, transport, to_recv, from_recv):
             t.progress()
 
 
-def receive(transport, infos, ignore_positions=False):
+def receive(transport, layout, infos, ignore_positions=False):
     from vllm_cp_kv.integration.transfer import make_transport
 
     n = num_logical_blocks(NUM_TOKENS, BS)
     local_ids = [5 + j for j in range(n)]  # the decode's own block table
-    caches = [torch.zeros((NUM_BLOCKS, BS, D), dtype=torch.bfloat16) for _ in range(LAYERS)]
+    caches = empty_caches(layout)
     t = make_transport(transport, "127.0.0.1")
     t.register(caches)
     manifests = {r: validate_manifest(info["manifest"], r, N, n, info["num_blocks"])
@@ -73,29 +83,32 @@ def receive(transport, infos, ignore_positions=False):
     if ignore_positions:
         order = iter(range(n))
         manifests = {r: [(next(order), b) for _, b in m] for r, m in sorted(manifests.items())}
-    bb = BS * D * 2
+    page = [c[0].numel() * c.element_size() for c in caches]  # bytes per block
     descriptors = 0
     for r, entries in manifests.items():
         runs = merge_runs(entries, local_ids)
-        reads = [(infos[r]["layer_addrs"][layer] + run.remote_start * bb,
-                  caches[layer].data_ptr() + run.local_start * bb, run.num_blocks * bb)
-                 for layer in range(LAYERS) for run in runs]
+        reads = [(infos[r]["layer_addrs"][i] + run.remote_start * page[i],
+                  caches[i].data_ptr() + run.local_start * page[i], run.num_blocks * page[i])
+                 for i in range(len(caches)) for run in runs]
         descriptors += len(reads)
         t.read(infos[r]["transport_meta"], reads, timeout_s=60)
-    got = torch.stack([c[local_ids[0]:local_ids[0] + n] for c in caches])
-    return got, descriptors
+    return [c[local_ids[0]:local_ids[0] + n] for c in caches], descriptors
 
 
-def run_case(transport, ignore_positions=False):
+def same_bytes(got, ref):
+    return all(torch.equal(g.view(torch.uint8), r.view(torch.uint8)) for g, r in zip(got, ref))
+
+
+def run_case(transport, layout="latent", ignore_positions=False):
     ctx = mp.get_context("spawn")
     to_recv, from_recv = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=prefill_rank, args=(r, transport, to_recv, from_recv))
+    procs = [ctx.Process(target=prefill_rank, args=(r, transport, layout, to_recv, from_recv))
              for r in range(N)]
     for p in procs:
         p.start()
     try:
         infos = dict(to_recv.get(timeout=120) for _ in range(N))
-        return receive(transport, infos, ignore_positions)
+        return receive(transport, layout, infos, ignore_positions)
     finally:
         for _ in procs:
             from_recv.put("done")
@@ -113,17 +126,17 @@ def _available(transport):
         return False
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("transport", ["nixl", "mooncake"])
-def test_owned_blocks_rebuild_the_unsharded_layout(transport):
+def test_owned_blocks_rebuild_the_unsharded_layout(transport, layout):
     if not _available(transport):
         pytest.skip(f"{transport} is not installed")
-    got, descriptors = run_case(transport)
-    ref = reference_cache()
-    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    got, descriptors = run_case(transport, layout)
+    assert same_bytes(got, reference_caches(layout))
     n = num_logical_blocks(NUM_TOKENS, BS)
     # rank r's owned blocks sit in consecutive remote blocks but every other
-    # local slot: each block is its own run here (n per layer) ...
-    assert descriptors == LAYERS * n
+    # local slot: each block is its own run here (n per cache) ...
+    assert descriptors == len(LAYOUTS[layout]) * n
 
 
 def test_contiguous_runs_merge():
@@ -138,5 +151,5 @@ def test_dropping_positions_breaks_the_layout(transport):
     """Negative control: without the position mapping the cache is wrong."""
     if not _available(transport):
         pytest.skip(f"{transport} is not installed")
-    got, _ = run_case(transport, ignore_positions=True)
-    assert not torch.equal(got.view(torch.uint8), reference_cache().view(torch.uint8))
+    got, _ = run_case(transport, "latent+indexer", ignore_positions=True)
+    assert not same_bytes(got, reference_caches("latent+indexer"))

@@ -29,6 +29,12 @@ def shard_group_size(tp: int, pcp: int) -> int:
     return pcp if pcp > 1 else tp
 
 
+def _on_gpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
 def check_engine_args(args, options: CPKVOptions) -> None:
     """Validate and derive engine args in place (frontend, before VllmConfig)."""
     tp = args.tensor_parallel_size
@@ -49,10 +55,19 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             f"cp_kv: sharding with both --tensor-parallel-size={tp} and "
             f"--prefill-context-parallel-size={pcp} is not supported yet; the KV "
             "shard group is the PCP group with TP 1, or the TP group without PCP.")
+    if _on_gpu() and not args.enforce_eager:
+        # a captured graph would replay the gather of the capture batch's plan
+        raise CPKVConfigError(
+            "cp_kv: CUDA graphs are not supported with sharded KV yet (the "
+            "full-view gather is planned per batch); add --enforce-eager or "
+            "disable cp_kv.")
+    if pcp > 1 and getattr(args, "kv_transfer_config", None):
+        raise CPKVConfigError(
+            "cp_kv: a KV connector (--kv-transfer-config) with sharding over the "
+            "prefill-context-parallel group is not supported yet; shard the "
+            "prefill instance over TP (--tensor-parallel-size N).")
     if pcp > 1:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cuda_alike():
+        if not _on_gpu():
             raise CPKVConfigError(
                 "cp_kv: sharding over the prefill-context-parallel group "
                 f"(--prefill-context-parallel-size={pcp}) needs vLLM's GPU V2 model "

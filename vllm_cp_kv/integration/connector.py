@@ -221,14 +221,20 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
             "engine_id": self.engine_id, "rank": self.rank,
             "shard_size": self.shard_size, "block_size": self.block_size,
             "ownership_rule": RULE, "num_layers": len(self._caches),
-            "block_bytes": first[0].numel() * first.element_size(),
-            "num_blocks": first.shape[0], "dtype": str(first.dtype),
+            # one entry per registered cache, each with its own page size (the
+            # MLA latent; the sparse indexer K/scale cache once sparse models
+            # are supported)
+            "block_bytes": [t[0].numel() * t.element_size() for t in self._caches],
+            "num_blocks": first.shape[0],
+            "dtype": [str(t.dtype) for t in self._caches],
             "transport": self.transport_name,
             "transport_meta": self._transport.register(self._caches),
             "layer_addrs": [t.data_ptr() for t in self._caches],
         }
         if self.is_producer:
-            listener = Listener((self.host, self.port + self.rank), authkey=AUTHKEY)
+            # many decode threads connect at once (one per request): a deep backlog
+            listener = Listener((self.host, self.port + self.rank), backlog=128,
+                                authkey=AUTHKEY)
             threading.Thread(target=self._serve, args=(listener,), daemon=True,
                              name=f"cp_kv-side-channel-{self.rank}").start()
             logger.info("cp_kv connector: prefill rank %d/%d serves %s on %s:%d",
@@ -382,16 +388,16 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
                 # what a receiver without the position mapping would do
                 order = iter(range(n_blocks))
                 manifests = {r: [(next(order), b) for _, b in m] for r, m in manifests.items()}
-            bb = self._handshake["block_bytes"]
+            page = self._handshake["block_bytes"]
             num_descs = 0
             for r, entries in manifests.items():
                 if r and pause:
                     time.sleep(pause)
                 hs = handshakes[r]
                 runs = merge_runs(entries, local_ids)
-                reads = [(hs["layer_addrs"][layer] + run.remote_start * bb,
-                          self._handshake["layer_addrs"][layer] + run.local_start * bb,
-                          run.num_blocks * bb)
+                reads = [(hs["layer_addrs"][layer] + run.remote_start * page[layer],
+                          self._handshake["layer_addrs"][layer] + run.local_start * page[layer],
+                          run.num_blocks * page[layer])
                          for layer in range(len(self._caches)) for run in runs]
                 num_descs += len(reads)
                 self._transport.read(hs["transport_meta"], reads, self.timeout_s)

@@ -90,12 +90,13 @@ class LastTokenPCPManager(PCPManager):
         self.last_path, self.last_bytes = path, moved
         stats = self.__dict__.setdefault("cp_kv_stats", {
             "narrow_steps": 0, "full_steps": 0, "bytes": 0, "full_path_bytes": 0,
-            "prefill_steps_bytes_saved": []})
+            "prefill_steps": 0, "prefill_bytes_saved": 0})
         stats[f"{path}_steps"] += 1
         stats["bytes"] += moved
         stats["full_path_bytes"] += full
         if getattr(batch, "has_prefill", False):
-            stats["prefill_steps_bytes_saved"].append(full - moved)
+            stats["prefill_steps"] += 1
+            stats["prefill_bytes_saved"] += full - moved
 
 
 def runner_full_gather_reason(runner, input_batch) -> str | None:

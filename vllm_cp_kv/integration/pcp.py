@@ -44,6 +44,17 @@ def gathered_padding(is_padding: torch.Tensor, pcp_size: int) -> torch.Tensor:
     return is_padding.repeat(pcp_size)
 
 
+def rank_token_counts(manager: PCPManager, num_scheduled, is_prefilling) -> list[int]:
+    """Real (unpadded) tokens each PCP rank runs in this step (vLLM's split)."""
+    return [sum(n for _, _, n in manager._iter_rank_chunks(r, num_scheduled, is_prefilling))
+            for r in range(manager.pcp_world_size)]
+
+
+def gathered_padding_mask(counts: list[int], padded: int) -> torch.Tensor:
+    """``[len(counts) * padded]`` bool, rank-major: True past each rank's tokens."""
+    return (torch.arange(padded)[None, :] >= torch.tensor(counts)[:, None]).flatten()
+
+
 class CPKVPCPManager(LastTokenPCPManager):
     """vLLM's PCP manager with the last-token gather and KV sharding."""
 
@@ -65,6 +76,8 @@ class CPKVPCPManager(LastTokenPCPManager):
 
     def partition_batch(self, input_batch, batch_desc):
         global _GATHERED_PADDING
+        record_pcp_step(None)  # nothing of an earlier, failed step survives
+        _GATHERED_PADDING = None
         local = super().partition_batch(input_batch, batch_desc)
         g = self.global_batch
         sched = np.asarray(g.num_scheduled_tokens)
@@ -73,10 +86,8 @@ class CPKVPCPManager(LastTokenPCPManager):
             seq_lens=(np.asarray(g.num_computed_tokens_np[: g.num_reqs])
                       + sched[: g.num_reqs]).astype(np.int64),
             row_keys=np.asarray(local.idx_mapping_np[: local.num_reqs]).copy()))
-        counts = [sum(n for _, _, n in self._iter_rank_chunks(r, sched, g.is_prefilling_np))
-                  for r in range(self.pcp_world_size)]
-        padded = local.is_padding.shape[0]
-        mask = (torch.arange(padded)[None, :] >= torch.tensor(counts)[:, None]).flatten()
+        mask = gathered_padding_mask(rank_token_counts(self, sched, g.is_prefilling_np),
+                                     local.is_padding.shape[0])
         _GATHERED_PADDING = (local.is_padding, mask.to(self.device, non_blocking=True))
         return local
 
@@ -90,6 +101,10 @@ class CPKVPCPManager(LastTokenPCPManager):
 def make_runner_cls():
     """vLLM's V2 GPU model runner selecting :class:`CPKVPCPManager`."""
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from .plugin import patch_forward_context
+
+    patch_forward_context()  # PCP + MoE padding mask (plugin.py, patch 5)
 
     class CPKVModelRunner(GPUModelRunner):
         @property

@@ -26,7 +26,8 @@ Patches, and why each is needed:
 5. GPU V2 runner, ``set_forward_context`` as the runner imported it: under
    PCP, vLLM's MoE layers route the PCP-gathered tokens but slice the
    rank-local padding mask, which fails (``topk_softmax ... is_padding size
-   mismatch``, vLLM 0.32); hand them the gathered mask (``pcp.py``).
+   mismatch``, vLLM 0.32); hand them the gathered mask (``pcp.py``;
+   installed when a worker builds the V2 runner).
 6. CPU only, ``cpu_triton_utils._compute_slot_mapping_kernel_impl``: vLLM's
    C++ stand-in for the slot-mapping kernel asserts CP size 1; sharded
    launches get the same arithmetic in torch (unsharded ones are untouched).
@@ -166,17 +167,20 @@ def register() -> None:
     _patch_platform()
     _patch_backend_selector()
     _patch_cp_compat_check()
-    _patch_forward_context()
     _patch_cpu_slot_mapping()
 
 
-def _patch_forward_context() -> None:
-    """PCP + MoE: the gathered tokens' padding mask (see item 5 above)."""
-    try:
-        from vllm.v1.worker.gpu import model_runner
-    except Exception:  # the V2 runner may not import without a GPU
-        return
+def patch_forward_context() -> None:
+    """PCP + MoE: the gathered tokens' padding mask (see item 5 above).
+
+    Installed by ``pcp.make_runner_cls`` when a worker builds vLLM's V2
+    runner (idempotent), so processes that never build it import nothing.
+    """
+    from vllm.v1.worker.gpu import model_runner
+
     orig = model_runner.set_forward_context
+    if getattr(orig, "_cp_kv", False):
+        return
 
     @functools.wraps(orig)
     def set_forward_context(attn_metadata, vllm_config, *args, is_padding=None,
@@ -189,6 +193,7 @@ def _patch_forward_context() -> None:
         return orig(attn_metadata, vllm_config, *args, is_padding=is_padding,
                     **kwargs)
 
+    set_forward_context._cp_kv = True
     model_runner.set_forward_context = set_forward_context
 
 

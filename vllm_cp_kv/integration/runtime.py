@@ -2,7 +2,7 @@
 
 Built lazily on first use inside a worker, after vLLM has initialized its
 distributed groups. The shard group is vLLM's DCP group, which the plugin
-sets to the TP group (or, later, the PCP group).
+makes span the TP group, or the PCP group when PCP > 1.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ The connector only ever asks for batched one-sided READs of
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 import uuid
 
@@ -48,7 +49,10 @@ class NixlTransport(Transport):
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(
             enable_prog_thread=False, backends=["UCX"]))
         self._peers: dict[str, str] = {}
-        self._lock = threading.Lock()
+        # UCX workers are not thread-safe, and receives run in one thread per
+        # request: every agent call after registration runs on this one
+        # thread, in order (reads are short; side-channel work stays parallel).
+        self._agent_thread = ThreadPoolExecutor(1, thread_name_prefix="cp_kv-nixl")
 
     def register(self, tensors):
         for t in tensors:
@@ -57,22 +61,19 @@ class NixlTransport(Transport):
                 "agent_metadata": self.agent.get_agent_metadata()}
 
     def progress(self):
-        self.agent.get_new_notifs()
-
-    def _peer(self, meta):
-        with self._lock:
-            name = meta["agent_name"]
-            if name not in self._peers:
-                self._peers[name] = self.agent.add_remote_agent(meta["agent_metadata"])
-            return self._peers[name]
+        self._agent_thread.submit(self.agent.get_new_notifs).result()
 
     def read(self, peer_meta, reads, timeout_s):
-        if not reads:
-            return
-        peer = self._peer(peer_meta)
+        if reads:
+            self._agent_thread.submit(self._read, peer_meta, reads, timeout_s).result()
+
+    def _read(self, peer_meta, reads, timeout_s):
+        name = peer_meta["agent_name"]
+        if name not in self._peers:
+            self._peers[name] = self.agent.add_remote_agent(peer_meta["agent_metadata"])
         local = self.agent.get_xfer_descs([(la, n, 0) for _, la, n in reads], "DRAM")
         remote = self.agent.get_xfer_descs([(ra, n, 0) for ra, _, n in reads], "DRAM")
-        handle = self.agent.initialize_xfer("READ", local, remote, peer)
+        handle = self.agent.initialize_xfer("READ", local, remote, self._peers[name])
         try:
             state = self.agent.transfer(handle)
             deadline = time.monotonic() + timeout_s

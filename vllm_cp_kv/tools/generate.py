@@ -84,8 +84,8 @@ def _corrupt_one_owned_block(worker):
 
 
 def _last_token_stats(worker):
-    """(path, bytes moved, bytes of vLLM's full gather) of the last step's
-    sampling gather, summed over the run (PCP runs only)."""
+    """The last-token gather's running totals (``cp_kv_stats``: steps per
+    path, bytes moved, bytes vLLM's full gather would move; PCP runs only)."""
     mgr = getattr(worker.model_runner, "pcp_manager", None)
     return None if mgr is None else getattr(mgr, "cp_kv_stats", None)
 

@@ -44,7 +44,7 @@ def build_tokenizer(vocab_size: int):
 
 
 def build(out_dir: str, *, gpu_heads: bool = False, num_layers: int = 3,
-          moe: bool = True, seed: int = 0) -> str:
+          moe: bool = True, seed: int = 0, init: float = 0.2) -> str:
     """Write a model directory and return its path (skips if present)."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
@@ -60,7 +60,7 @@ def build(out_dir: str, *, gpu_heads: bool = False, num_layers: int = 3,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         first_k_dense_replace=1 if moe else num_layers,
         max_position_embeddings=4096, tie_word_embeddings=False,
-        initializer_range=0.2, topk_method="greedy", n_group=1, topk_group=1,
+        initializer_range=init, topk_method="greedy", n_group=1, topk_group=1,
         norm_topk_prob=False, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         vocab_size=len(tok))
@@ -137,6 +137,8 @@ def main() -> None:
     ap.add_argument("--gpu-heads", action="store_true")
     ap.add_argument("--dense", action="store_true", help="no MoE layers")
     ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--init", type=float, default=0.2,
+                    help="initializer_range (smaller: less chaotic, less diverse)")
     ap.add_argument("--llama", action="store_true", help="tiny non-MLA model")
     ap.add_argument("--v3-attention", action="store_true",
                     help="2 layers with DeepSeek-V3 attention shapes (TTFT runs)")
@@ -145,7 +147,7 @@ def main() -> None:
         print((build_llama if a.llama else build_v3_attention)(a.out_dir))
         return
     print(build(a.out_dir, gpu_heads=a.gpu_heads, num_layers=a.layers,
-                moe=not a.dense))
+                moe=not a.dense, init=a.init))
 
 
 if __name__ == "__main__":
