@@ -42,7 +42,7 @@ def _llm(a, tp: int, role: str | None, shard: bool):
     from vllm import LLM
 
     kw = dict(model=a.model, tokenizer=a.model, dtype=a.dtype, tensor_parallel_size=tp,
-              max_model_len=1024, max_num_seqs=NUM_PROMPTS, block_size=a.block_size,
+              max_model_len=1024, max_num_seqs=a.max_num_seqs, block_size=a.block_size,
               seed=0, enforce_eager=True)
     if a.backend:
         kw["attention_config"] = {"backend": a.backend}
@@ -83,7 +83,7 @@ def role_prefill(a):
     done = os.path.join(a.workdir, "decode.done")
     while not os.path.exists(done):  # the engine serves the decode's reads meanwhile
         time.sleep(0.2)
-    return {"prefilled": len(outs)}
+    return {"prefilled": len(outs), "first_tokens": [o.outputs[0].token_ids[0] for o in outs]}
 
 
 def role_decode(a):
@@ -107,7 +107,7 @@ def _spawn(a, role: str, cores: str, env: dict):
     argv = [sys.executable, "-m", "vllm_cp_kv.tools.pd_offline", a.model, a.workdir,
             "--role", role, "--transport", a.transport, "--decode-tp", str(a.decode_tp),
             "--prefill-tp", str(a.prefill_tp), "--dtype", a.dtype, "--port", str(a.port),
-            "--block-size", str(a.block_size)] + (["--backend", a.backend] if a.backend else [])
+            "--block-size", str(a.block_size), "--max-num-seqs", str(a.max_num_seqs)] + (["--backend", a.backend] if a.backend else [])
     if a.drop_positions:
         argv.append("--drop-positions")
     log = open(os.path.join(a.workdir, f"{role}.log"), "w")
@@ -133,6 +133,8 @@ def main() -> None:
     ap.add_argument("--prefill-tp", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=NUM_PROMPTS,
+                    help="1: every side runs one request at a time")
     ap.add_argument("--backend", default=None, help="e.g. CPU_MLA (block size 16)")
     ap.add_argument("--port", type=int, default=5700)
     ap.add_argument("--drop-positions", action="store_true")
@@ -166,19 +168,25 @@ def main() -> None:
         for proc in procs:
             _kill(proc)
     out = {"transport": a.transport, "prefill_tp": a.prefill_tp, "decode_tp": a.decode_tp,
-           "dtype": a.dtype, "backend": a.backend, "block_size": a.block_size, "drop_positions": a.drop_positions, "rc": [ref.returncode, rc_p, rc_d],
+           "dtype": a.dtype, "backend": a.backend, "block_size": a.block_size,
+           "max_num_seqs": a.max_num_seqs, "drop_positions": a.drop_positions, "rc": [ref.returncode, rc_p, rc_d],
            "wall_s": round(time.time() - t0, 1)}
     if out["rc"] == [0, 0, 0]:
         with open(os.path.join(a.workdir, "reference.json")) as f:
             r = json.load(f)
         with open(os.path.join(a.workdir, "decode.json")) as f:
             d = json.load(f)
+        with open(os.path.join(a.workdir, "prefill.json")) as f:
+            p = json.load(f)
         with open(os.path.join(a.workdir, "decode.log")) as f:
             received = [int(l.split(" received ")[1].split(" tokens")[0])
                         for l in f if "cp_kv connector: request" in l and " received " in l]
         out.update(identical=sum(x == y for x, y in zip(r["tokens"], d["tokens"])),
                    prompts=len(r["tokens"]), prompt_lens=r["prompt_lens"],
                    decode_num_cached_tokens=d["num_cached_tokens"],
+                   # the prefill's own first token against the reference's
+                   prefill_first_token_same=[t == toks[0] for t, toks in
+                                             zip(p["first_tokens"], r["tokens"])],
                    received_tokens=sorted(received),
                    first_diff=[next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), None)
                                for p, q in zip(r["tokens"], d["tokens"])])
