@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from vllm_cp_kv.core.manifest import (check_complete, merge_runs, owned_manifest,
-                                      validate_manifest)
+                                      read_descriptors, validate_manifest,
+                                      without_positions)
 from vllm_cp_kv.core.ownership import num_logical_blocks
 
 N, BS, D, LAYERS = 2, 16, 576, 2
@@ -81,15 +82,12 @@ def receive(transport, layout, infos, ignore_positions=False):
                  for r, info in infos.items()}
     check_complete(manifests, n)
     if ignore_positions:
-        order = iter(range(n))
-        manifests = {r: [(next(order), b) for _, b in m] for r, m in sorted(manifests.items())}
+        manifests = without_positions(manifests)
     page = [c[0].numel() * c.element_size() for c in caches]  # bytes per block
     descriptors = 0
     for r, entries in manifests.items():
-        runs = merge_runs(entries, local_ids)
-        reads = [(infos[r]["layer_addrs"][i] + run.remote_start * page[i],
-                  caches[i].data_ptr() + run.local_start * page[i], run.num_blocks * page[i])
-                 for i in range(len(caches)) for run in runs]
+        reads = read_descriptors(merge_runs(entries, local_ids), infos[r]["layer_addrs"],
+                                 [c.data_ptr() for c in caches], page)
         descriptors += len(reads)
         t.read(infos[r]["transport_meta"], reads, timeout_s=60)
     return [c[local_ids[0]:local_ids[0] + n] for c in caches], descriptors

@@ -10,8 +10,9 @@ sharding writes logical block ``j`` into its own block-table slot ``j``.
 
 The receiver checks every entry (:func:`validate_manifest`) before any byte
 moves, checks that the union over ranks fills each position exactly once
-(:func:`check_complete`), and merges entries whose remote and local blocks are
-both consecutive into one read (:func:`merge_runs`).
+(:func:`check_complete`), merges entries whose remote and local blocks are
+both consecutive into one read (:func:`merge_runs`), and turns runs into reads
+of every cache (:func:`read_descriptors`).
 """
 
 from __future__ import annotations
@@ -113,3 +114,25 @@ def merge_runs(entries: list[tuple[int, int]], local_block_ids: list[int]) -> li
                 continue
         runs.append(Run(j, remote, local, 1))
     return runs
+
+
+def read_descriptors(runs: list[Run], remote_addrs: list[int], local_addrs: list[int],
+                     page_bytes: list[int]) -> list[tuple[int, int, int]]:
+    """``(remote_addr, local_addr, nbytes)`` reads for ``runs`` in every cache.
+
+    Cache ``i`` (a layer's latent, or its indexer cache) starts at
+    ``remote_addrs[i]`` / ``local_addrs[i]`` and holds ``page_bytes[i]`` bytes
+    per block; the same block ids index every cache.
+    """
+    return [(remote_addrs[i] + run.remote_start * page_bytes[i],
+             local_addrs[i] + run.local_start * page_bytes[i],
+             run.num_blocks * page_bytes[i])
+            for i in range(len(page_bytes)) for run in runs]
+
+
+def without_positions(manifests: dict[int, list[tuple[int, int]]]
+                      ) -> dict[int, list[tuple[int, int]]]:
+    """Negative control: what a receiver ignoring the logical positions would
+    do (blocks laid out in arrival order, rank by rank)."""
+    order = iter(range(sum(len(m) for m in manifests.values())))
+    return {r: [(next(order), b) for _, b in m] for r, m in sorted(manifests.items())}

@@ -94,12 +94,12 @@ def sharded_backend(inner: type) -> type:
             # Kernels size their index from each request's full length.
             columns = -(-common.max_seq_len // block_size)
             step = current_pcp_step()
-            if step is not None and len(step.row_keys) != common.num_reqs:
-                raise RuntimeError(
-                    f"cp_kv: the PCP step recorded {len(step.row_keys)} local rows "
-                    f"but the batch has {common.num_reqs}; stale step state.")
             if step is not None:
                 # PCP: ranks run different chunks; plan from the global batch
+                if len(step.row_keys) != common.num_reqs:
+                    raise RuntimeError(
+                        f"cp_kv: the PCP step recorded {len(step.row_keys)} local "
+                        f"rows but the batch has {common.num_reqs}; stale step state.")
                 lens = torch.from_numpy(step.seq_lens)
                 plan, full, global_table = plan_split_requests(
                     runtime.spec, table, step.row_keys, step.keys, lens,

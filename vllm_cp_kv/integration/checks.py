@@ -66,13 +66,12 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             "cp_kv: a KV connector (--kv-transfer-config) with sharding over the "
             "prefill-context-parallel group is not supported yet; shard the "
             "prefill instance over TP (--tensor-parallel-size N).")
-    if pcp > 1:
-        if not _on_gpu():
-            raise CPKVConfigError(
-                "cp_kv: sharding over the prefill-context-parallel group "
-                f"(--prefill-context-parallel-size={pcp}) needs vLLM's GPU V2 model "
-                "runner; on this platform shard over TP instead "
-                "(--tensor-parallel-size N).")
+    if pcp > 1 and not _on_gpu():
+        raise CPKVConfigError(
+            "cp_kv: sharding over the prefill-context-parallel group "
+            f"(--prefill-context-parallel-size={pcp}) needs vLLM's GPU V2 model "
+            "runner; on this platform shard over TP instead "
+            "(--tensor-parallel-size N).")
     size = shard_group_size(tp, pcp)
     if size < 2:
         raise CPKVConfigError(

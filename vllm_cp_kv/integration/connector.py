@@ -47,7 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from ..core.manifest import (ManifestError, check_complete, merge_runs,
-                             owned_manifest, validate_manifest)
+                             owned_manifest, read_descriptors, validate_manifest,
+                             without_positions)
 from ..core.ownership import num_logical_blocks
 from .transfer import make_transport
 
@@ -385,9 +386,7 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
             hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
             pause = float(params.get("cp_kv_test_pause_s", 0)) if hooks else 0.0
             if hooks and params.get("cp_kv_test_ignore_positions"):
-                # what a receiver without the position mapping would do
-                order = iter(range(n_blocks))
-                manifests = {r: [(next(order), b) for _, b in m] for r, m in manifests.items()}
+                manifests = without_positions(manifests)
             page = self._handshake["block_bytes"]
             num_descs = 0
             for r, entries in manifests.items():
@@ -395,10 +394,8 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
                     time.sleep(pause)
                 hs = handshakes[r]
                 runs = merge_runs(entries, local_ids)
-                reads = [(hs["layer_addrs"][layer] + run.remote_start * page[layer],
-                          self._handshake["layer_addrs"][layer] + run.local_start * page[layer],
-                          run.num_blocks * page[layer])
-                         for layer in range(len(self._caches)) for run in runs]
+                reads = read_descriptors(runs, hs["layer_addrs"],
+                                         self._handshake["layer_addrs"], page)
                 num_descs += len(reads)
                 self._transport.read(hs["transport_meta"], reads, self.timeout_s)
             for conn in conns:  # best effort: the prefill side also frees on expiry
