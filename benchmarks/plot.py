@@ -1,4 +1,5 @@
-"""Plot GPU benchmark JSON (materialize.json, last_token.json) to PNG.
+"""Plot benchmark JSON (materialize.json, last_token.json; pd_transfer.json)
+to PNG.
 
 Usage: python benchmarks/plot.py RESULTS_DIR
 """
@@ -13,7 +14,43 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def plot_pd_transfer(path: str) -> str:
+    """pd_transfer.json: time per request (connector, raw) and descriptors."""
+    res = json.load(open(path))
+    rows = res["rows"]
+    labels = [f"{r['transport']}\n{r['layout']}\n{r['decode_table']}" for r in rows]
+    x = range(len(rows))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 4), 4.8))
+    ax = axes[0]
+    ax.bar([i - 0.2 for i in x], [r["connector_ms"] for r in rows], 0.4, label="connector")
+    ax.bar([i + 0.2 for i in x], [r["raw_ms"] for r in rows], 0.4, label="raw engine")
+    for i, r in enumerate(rows):
+        ax.text(i, max(r["connector_ms"], r["raw_ms"]), f"{r['ratio']:.2f}",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set(ylabel="median ms per request",
+           title=f"{rows[0]['blocks']}-block request from 2 owners (label: raw/connector)"
+           if rows else "no transport ran")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    ax.bar([i - 0.2 for i in x], [r["unmerged_descriptors"] for r in rows], 0.4,
+           label="blocks x caches")
+    ax.bar([i + 0.2 for i in x], [r["descriptors"] for r in rows], 0.4,
+           label="descriptors issued (merged runs)")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set(ylabel="read descriptors", yscale="log", title="descriptors per request")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{res['machine']}, {res['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    out = os.path.splitext(path)[0] + ".png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(d: str) -> None:
+    if os.path.exists(os.path.join(d, "pd_transfer.json")):
+        print(plot_pd_transfer(os.path.join(d, "pd_transfer.json")))
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     lt_path, mat_path = os.path.join(d, "last_token.json"), os.path.join(d, "materialize.json")
     if os.path.exists(lt_path):

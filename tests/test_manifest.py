@@ -1,13 +1,14 @@
 """Transfer manifests: the union of (owned block, position) over all prefill
 ranks fills every position exactly once (property test over shard sizes and
-random block assignments), bad entries are refused, runs merge."""
+random block assignments), bad entries are refused, runs merge (read
+descriptors equal the brute-force maximal contiguous byte ranges)."""
 
 import random
 
 import pytest
 
 from vllm_cp_kv.core.manifest import (ManifestError, Run, check_complete, merge_runs,
-                                      owned_manifest, validate_manifest)
+                                      owned_manifest, read_descriptors, validate_manifest)
 
 BS = 16
 
@@ -63,3 +64,35 @@ def test_contiguous_blocks_merge_into_runs():
     local = [100, 0, 101, 0, 102, 0, 103]
     assert merge_runs(entries, local) == [Run(0, 10, 100, 3), Run(6, 20, 103, 1)]
     assert len(merge_runs(entries, [5, 0, 9, 0, 13, 0, 17])) == 4  # nothing merges
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_read_descriptors_are_the_maximal_contiguous_ranges(size):
+    """Per rank and cache, the reads cover exactly each owned block's bytes
+    (remote slot -> local slot), and there are as many as there are maximal
+    runs contiguous on both sides, counted block by block."""
+    rng = random.Random(size)
+    pages, bases = [1152 * BS, 132 * BS], [(1 << 30, 1 << 20), (1 << 31, 1 << 21)]
+    for _ in range(50):
+        n = rng.randint(1, 40)
+        per_rank = -(-n // size)
+        remote = [10 + c + (rng.random() < 0.2) * 50 for c in range(per_rank)]
+        local = rng.choice([
+            list(range(3, 3 + n)),  # a fresh decode: each owned block apart
+            [3 + (j % size) * per_rank + j // size for j in range(n)],  # runs merge
+            rng.sample(range(200), n)])  # a fragmented free list
+        for r in range(min(size, n)):
+            entries = owned_manifest(r, size, BS, remote, n * BS)
+            runs = merge_runs(entries, local)
+            per_cache = []
+            for pg, (rb, lb) in zip(pages, bases):
+                reads = read_descriptors(runs, [rb], [lb], [pg])
+                blocks = [(rb + remote[j // size] * pg, lb + local[j] * pg) for j, _ in entries]
+                assert sorted((ra + k, la + k) for ra, la, nb in reads
+                              for k in range(0, nb, pg)) == sorted(blocks)
+                breaks = sum(1 for a, b in zip(blocks, blocks[1:])
+                             if (b[0] - a[0], b[1] - a[1]) != (pg, pg))
+                assert len(reads) == breaks + 1
+                per_cache += reads
+            assert read_descriptors(runs, [b[0] for b in bases], [b[1] for b in bases],
+                                    pages) == per_cache

@@ -70,3 +70,53 @@ def _worker(rank, n, port, errors):
 def test_gather_matches_brute_force(n):
     spawn_ranks(_worker, n)
 
+
+
+def _hybrid_caches(rank, num_blocks, bs, seed):
+    """One rank's cache buffer in vLLM's layout for a DeepSeek-V3.2 layer:
+    per block, the bf16 latent page (bs x 576) then the indexer page
+    (bs x 128 fp8 keys, then bs fp32 scales: bs x 132 bytes), so each cache
+    is a strided per-layer view of one buffer."""
+    latent_bytes, indexer_bytes = bs * 576 * 2, bs * 132
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    raw = torch.randint(0, 256, (num_blocks, latent_bytes + indexer_bytes),
+                        dtype=torch.uint8, generator=gen)
+    latent = raw[:, :latent_bytes].view(torch.bfloat16).view(num_blocks, bs, 576)
+    indexer = raw[:, latent_bytes:].view(num_blocks, bs, 132)
+    return latent, indexer
+
+
+def _sparse_worker(rank, n, port, errors):
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=n)
+        fn = all_gather_into_fn()
+        table, lens, _ = make_batch(n, [1, 300, 70, 500], seed=7, num_blocks=128)
+        bs = spec(n).block_size
+        caches = [_hybrid_caches(r, 128, bs, seed=7) for r in range(n)]
+        assert not caches[rank][1].is_contiguous()  # the layout under test
+        plan = plan_materialization(spec(n, rank), table, lens)  # one plan
+        for which in (0, 1):  # latent, then indexer, like a layer does
+            full = gather(plan, rank, caches[rank][which], fn)
+            ref = brute_force_full_view(spec(n), table, lens,
+                                        [c[which] for c in caches])
+            for i in range(len(lens)):  # bitwise: random bytes hold NaNs
+                got, want = view_of(plan, full, i), ref[i]
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (which, i)
+        # negative control: a scale byte of an owned indexer block changes
+        if rank == 1:
+            caches[1][1][int(table[1, 0]), -1, -1] ^= 0xFF
+        dirty = gather(plan, rank, caches[rank][1], fn)
+        changed = (view_of(plan, dirty, 1) != view_of(plan, full, 1)
+                   ).flatten(1).any(1).nonzero().flatten().tolist()
+        assert changed == [1], changed
+        dist.destroy_process_group()
+    except BaseException as e:  # report to the parent
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+
+
+def test_latent_and_indexer_caches_share_one_plan():
+    """Sparse models: one plan gathers both strided per-layer caches (latent
+    and indexer pages interleaved per block), each equal to brute force."""
+    spawn_ranks(_sparse_worker, 2)

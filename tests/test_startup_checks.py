@@ -69,8 +69,54 @@ def test_row_non_mla(tiny_llama):
     expect_row("non-mla", tiny_llama, tensor_parallel_size=4)
 
 
-def test_row_sparse(sparse_model):
-    expect_row("sparse", sparse_model)
+def test_row_sparse_architecture(sparse_model):
+    # a DeepSeek-V2 architecture with an index_topk: not vLLM's DSA attention
+    expect_row("sparse-architecture", sparse_model)
+
+
+@pytest.fixture(scope="module")
+def dsv32_model(tiny_dsv2, tmp_path_factory):
+    """The tiny model's files under a DeepSeek-V3.2 config (not loaded:
+    config checks only)."""
+    d = str(tmp_path_factory.mktemp("dsv32") / "tiny-dsv32")
+    shutil.copytree(tiny_dsv2, d)
+    path = os.path.join(d, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"],
+               index_topk=64, index_n_heads=4, index_head_dim=128, q_lora_rank=128)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def test_row_sparse_platform(dsv32_model):
+    # this machine is CPU-only: vLLM has no sparse MLA backend here
+    expect_row("sparse-platform", dsv32_model)
+
+
+def test_row_sparse_backend():
+    from vllm_cp_kv.integration import checks
+
+    for name in checks.SPARSE_BACKENDS:
+        checks.check_sparse_backend(name)  # accepted
+    with pytest.raises(ValueError) as info:
+        checks.check_sparse_backend("FLASHINFER_MLA_SPARSE")
+    assert any(m in str(info.value) for m in DOC["sparse-backend"])
+
+
+def test_row_hisparse(tiny_dsv2):
+    from types import SimpleNamespace
+
+    from vllm_cp_kv.integration import checks
+    from vllm_cp_kv.integration.options import CPKVOptions
+
+    model = config(tiny_dsv2).model_config  # a real MLA model config
+    cfg = SimpleNamespace(model_config=model,
+                          attention_config=SimpleNamespace(hisparse_config=object()))
+    with pytest.raises(ValueError) as info:
+        checks.check_vllm_config(cfg, CPKVOptions(enable=True))
+    assert any(m in str(info.value) for m in DOC["hisparse"])
 
 
 def test_row_group_size_1(tiny_dsv2):

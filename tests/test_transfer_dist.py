@@ -7,20 +7,17 @@ table. The result must be byte-identical to the unsharded layout built
 directly from the same data (the reference), contiguous runs must merge
 into fewer descriptors, and dropping the positions (negative control) must
 break the identity. The data path is the connector's: make_transport,
-owned_manifest / validate_manifest / check_complete / merge_runs,
-Transport.read.
+owned_manifest / validate_manifest / check_complete, then
+read_owned_blocks (merge_runs, read_descriptors, Transport.read).
 """
-
-import multiprocessing as mp
-import queue
 
 import pytest
 import torch
 
 from vllm_cp_kv.core.manifest import (check_complete, merge_runs, owned_manifest,
-                                      read_descriptors, validate_manifest,
-                                      without_positions)
+                                      validate_manifest, without_positions)
 from vllm_cp_kv.core.ownership import num_logical_blocks
+from vllm_cp_kv.tools.loopback import owner_processes, serve_until_done, transport_available
 
 N, BS, D, LAYERS = 2, 16, 576, 2
 NUM_TOKENS = 21 * BS + 5  # 22 logical blocks
@@ -62,16 +59,11 @@ def prefill_rank(rank, transport, layout, to_recv, from_recv):
     meta = t.register(caches)
     to_recv.put((rank, {"transport_meta": meta, "layer_addrs": [c.data_ptr() for c in caches],
                         "num_blocks": NUM_BLOCKS, "manifest": manifest}))
-    while True:  # serve until the receiver is done (progress for NIXL)
-        try:
-            from_recv.get(timeout=0.001)
-            return
-        except queue.Empty:
-            t.progress()
+    serve_until_done(t, from_recv)
 
 
 def receive(transport, layout, infos, ignore_positions=False):
-    from vllm_cp_kv.integration.transfer import make_transport
+    from vllm_cp_kv.integration.transfer import make_transport, read_owned_blocks
 
     n = num_logical_blocks(NUM_TOKENS, BS)
     local_ids = [5 + j for j in range(n)]  # the decode's own block table
@@ -84,12 +76,8 @@ def receive(transport, layout, infos, ignore_positions=False):
     if ignore_positions:
         manifests = without_positions(manifests)
     page = [c[0].numel() * c.element_size() for c in caches]  # bytes per block
-    descriptors = 0
-    for r, entries in manifests.items():
-        reads = read_descriptors(merge_runs(entries, local_ids), infos[r]["layer_addrs"],
-                                 [c.data_ptr() for c in caches], page)
-        descriptors += len(reads)
-        t.read(infos[r]["transport_meta"], reads, timeout_s=60)
+    descriptors = read_owned_blocks(t, manifests, infos, local_ids,
+                                    [c.data_ptr() for c in caches], page, timeout_s=60)
     return [c[local_ids[0]:local_ids[0] + n] for c in caches], descriptors
 
 
@@ -98,36 +86,14 @@ def same_bytes(got, ref):
 
 
 def run_case(transport, layout="latent", ignore_positions=False):
-    ctx = mp.get_context("spawn")
-    to_recv, from_recv = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=prefill_rank, args=(r, transport, layout, to_recv, from_recv))
-             for r in range(N)]
-    for p in procs:
-        p.start()
-    try:
-        infos = dict(to_recv.get(timeout=120) for _ in range(N))
+    with owner_processes(prefill_rank, N, transport, layout) as infos:
         return receive(transport, layout, infos, ignore_positions)
-    finally:
-        for _ in procs:
-            from_recv.put("done")
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-
-
-def _available(transport):
-    try:
-        __import__("nixl._api" if transport == "nixl" else "mooncake.engine")
-        return True
-    except Exception:
-        return False
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("transport", ["nixl", "mooncake"])
 def test_owned_blocks_rebuild_the_unsharded_layout(transport, layout):
-    if not _available(transport):
+    if not transport_available(transport):
         pytest.skip(f"{transport} is not installed")
     got, descriptors = run_case(transport, layout)
     assert same_bytes(got, reference_caches(layout))
@@ -147,7 +113,7 @@ def test_contiguous_runs_merge():
 @pytest.mark.parametrize("transport", ["nixl"])
 def test_dropping_positions_breaks_the_layout(transport):
     """Negative control: without the position mapping the cache is wrong."""
-    if not _available(transport):
+    if not transport_available(transport):
         pytest.skip(f"{transport} is not installed")
     got, _ = run_case(transport, "latent+indexer", ignore_positions=True)
     assert not same_bytes(got, reference_caches("latent+indexer"))

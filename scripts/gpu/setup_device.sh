@@ -21,3 +21,26 @@ export PYTHONPATH=/root/site:/root/cpkv:$ROOT PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# The payload has no nvidia-cutlass-dsl: let DeepSeek-V3.2's fused-q helper
+# fall back to its Triton path instead of failing at import (idempotent).
+python3 - <<'PY'
+p = "/root/site/vllm/models/deepseek_v32/common/kernels.py"
+s = open(p).read()
+old = """        from vllm.models.deepseek_v32.nvidia.ops.fused_q_cutedsl import (
+            fused_q_cutedsl,
+            is_fused_q_cutedsl_supported,
+        )
+"""
+new = """        try:
+            from vllm.models.deepseek_v32.nvidia.ops.fused_q_cutedsl import (
+                fused_q_cutedsl,
+                is_fused_q_cutedsl_supported,
+            )
+        except ImportError:  # no CuteDSL in the payload: Triton path
+            fused_q_cutedsl = None
+            is_fused_q_cutedsl_supported = lambda *a, **k: False
+"""
+if old in s:
+    open(p, "w").write(s.replace(old, new))
+    print("deepseek_v32 fused-q: CuteDSL import made optional")
+PY

@@ -107,18 +107,41 @@ def check_engine_args(args, options: CPKVOptions) -> None:
     args.enable_prefix_caching = False
 
 
+SPARSE_BACKENDS = ("FLASH_ATTN_MLA_SPARSE", "FLASHMLA_SPARSE")
+# vLLM 0.32 runs both on vllm.models.deepseek_v32 (the code sparse.py patches)
+SPARSE_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+
+
 def check_model(model_config) -> None:
-    """The model must be dense MLA (DeepSeek-V2/V3 style)."""
+    """The model must be MLA: dense (DeepSeek-V2/V3) or, on GPU, with
+    DeepSeek-V3.2 sparse attention (its indexer cache is sharded too)."""
     if not model_config.use_mla:
         raise CPKVConfigError(
             f"cp_kv: model {model_config.model!r} does not use MLA; cp_kv shards "
             "the MLA latent KV cache (DeepSeek-V2/V3 style). Disable cp_kv for "
             "this model.")
     hf = model_config.hf_text_config
-    if getattr(hf, "index_topk", None):
+    if not getattr(hf, "index_topk", None):
+        return
+    archs = list(getattr(model_config, "architectures", None) or [])
+    if not set(archs) & set(SPARSE_ARCHITECTURES):
         raise CPKVConfigError(
-            "cp_kv: sparse-attention (DeepSeek-V3.2 indexer) models are not "
-            "supported by this release; disable cp_kv for this model.")
+            f"cp_kv: sparse-attention architecture {archs} is not supported with "
+            "sharded KV; only models on vLLM's DeepSeek-V3.2 attention are ("
+            f"{', '.join(SPARSE_ARCHITECTURES)}). Disable cp_kv for this model.")
+    if not _on_gpu():
+        raise CPKVConfigError(
+            "cp_kv: sparse-attention (DeepSeek-V3.2) models need a GPU (vLLM has "
+            "no sparse MLA backend on this platform); disable cp_kv here.")
+
+
+def check_sparse_backend(name: str) -> None:
+    """Sparse MLA backends whose full-view materialization is verified."""
+    if name not in SPARSE_BACKENDS:
+        raise CPKVConfigError(
+            f"cp_kv: the sparse MLA backend {name} is not supported with sharded "
+            f"KV; use one of {', '.join(SPARSE_BACKENDS)} "
+            "(--attention-backend) or disable cp_kv.")
 
 
 def check_vllm_config(vllm_config, options: CPKVOptions) -> None:
@@ -126,6 +149,10 @@ def check_vllm_config(vllm_config, options: CPKVOptions) -> None:
     if vllm_config.model_config is None or not options.kv_sharding:
         return
     check_model(vllm_config.model_config)
+    if getattr(vllm_config.attention_config, "hisparse_config", None) is not None:
+        raise CPKVConfigError(
+            "cp_kv: HiSparse (host-backed sparse KV) is not supported with sharded "
+            "KV; remove the HiSparse config or disable cp_kv.")
     parallel = vllm_config.parallel_config
     block_size = vllm_config.cache_config.block_size
     if block_size is None:

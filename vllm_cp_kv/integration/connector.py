@@ -46,11 +46,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults, SupportsHMA)
 from vllm.logger import init_logger
 
-from ..core.manifest import (ManifestError, check_complete, merge_runs,
-                             owned_manifest, read_descriptors, validate_manifest,
-                             without_positions)
+from ..core.manifest import (ManifestError, check_complete, owned_manifest,
+                             validate_manifest, without_positions)
 from ..core.ownership import num_logical_blocks
-from .transfer import make_transport
+from .transfer import make_transport, read_owned_blocks
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
 AUTHKEY = b"vllm_cp_kv"
@@ -387,17 +386,10 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
             pause = float(params.get("cp_kv_test_pause_s", 0)) if hooks else 0.0
             if hooks and params.get("cp_kv_test_ignore_positions"):
                 manifests = without_positions(manifests)
-            page = self._handshake["block_bytes"]
-            num_descs = 0
-            for r, entries in manifests.items():
-                if r and pause:
-                    time.sleep(pause)
-                hs = handshakes[r]
-                runs = merge_runs(entries, local_ids)
-                reads = read_descriptors(runs, hs["layer_addrs"],
-                                         self._handshake["layer_addrs"], page)
-                num_descs += len(reads)
-                self._transport.read(hs["transport_meta"], reads, self.timeout_s)
+            num_descs = read_owned_blocks(
+                self._transport, manifests, handshakes, local_ids,
+                self._handshake["layer_addrs"], self._handshake["block_bytes"],
+                self.timeout_s, pause)
             for conn in conns:  # best effort: the prefill side also frees on expiry
                 try:
                     self._ask(conn, "done", (remote_req, self.tp_size))

@@ -16,10 +16,10 @@ Patches, and why each is needed:
    size (the second runs in each worker, after the attention backend is
    known), pin ``cp_kv_cache_interleave_size`` to it (block ownership), and
    install :class:`~vllm_cp_kv.integration.worker.ShardedKVWorker`.
-3. ``selector._cached_get_attn_backend``: wrap the platform's MLA backend in
-   the materializing backend (the CPU platform ignores
+3. ``selector._cached_get_attn_backend``: wrap the platform's MLA backend
+   (dense or sparse) in the materializing backend (the CPU platform ignores
    ``--attention-backend`` for custom backends, so registration alone would
-   not reach it).
+   not reach it); the platform chooses it as for an unsharded run.
 4. ``check_attention_cp_compatibility`` in both model runners: vLLM demands
    an LSE-returning decode kernel under DCP because its DCP attention merges
    partial results; a materialized full view needs no merge.
@@ -32,9 +32,12 @@ Patches, and why each is needed:
    C++ stand-in for the slot-mapping kernel asserts CP size 1; sharded
    launches get the same arithmetic in torch (unsharded ones are untouched).
 
-One more, scoped to a ``with`` block in ``backend.py`` (``_unsharded_view``):
-while the materializing metadata builder initializes, vLLM's MLA builder sees
-a DCP group of size 1, since it reads a full view rather than merging shards.
+One more, scoped to a ``with`` block in ``backend.py`` (``unsharded_view``):
+while a materializing builder or impl initializes, or a backend is chosen,
+vLLM's MLA code sees a DCP group of size 1, since it reads a full view
+rather than merging shards. Sparse (DeepSeek-V3.2) models get two more
+bindings, installed by the sharded worker before the model is built: see
+``sparse.py``.
 """
 
 from __future__ import annotations
@@ -112,15 +115,21 @@ def _patch_backend_selector() -> None:
 
     @functools.wraps(orig)
     def cached_get_attn_backend(backend, attn_selector_config, *args, **kwargs):
-        cls = orig(backend, attn_selector_config, *args, **kwargs)
         from vllm.config import get_current_vllm_config_or_none
 
-        if (attn_selector_config.use_mla and not attn_selector_config.use_sparse
-                and _sharding(get_current_vllm_config_or_none())):
-            from .backend import sharded_backend
+        vllm_config = get_current_vllm_config_or_none()
+        if not (attn_selector_config.use_mla and _sharding(vllm_config)):
+            return orig(backend, attn_selector_config, *args, **kwargs)
+        from .backend import sharded_backend, unsharded_view
+        from .checks import check_sparse_backend
 
-            return sharded_backend(cls)
-        return cls
+        # choose as an unsharded run would (FLASH_ATTN_MLA_SPARSE declines DCP)
+        unsharded = attn_selector_config._replace(use_dcp=False)
+        with unsharded_view(vllm_config):
+            cls = orig(backend, unsharded, *args, **kwargs)
+        if attn_selector_config.use_sparse:
+            check_sparse_backend(cls.get_name())
+        return sharded_backend(cls)
 
     selector._cached_get_attn_backend = cached_get_attn_backend
 

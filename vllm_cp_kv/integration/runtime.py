@@ -83,6 +83,9 @@ class ShardRuntime:
             logger.warning("cp_kv: VLLM_CP_KV_DEBUG=1: syncing invariant checks "
                            "are on (not for performance runs).")
         self._memo: tuple | None = None
+        # (common metadata, whole, (plan, full table, reads)) of the batch
+        # being built: every builder of a KV cache group shares the plan
+        self.batch_plan: tuple | None = None
         self.bytes_gathered = 0  # running total, for logs and benchmarks
 
     def materialize(self, plan: MaterializationPlan,

@@ -15,6 +15,8 @@ import uuid
 
 import torch
 
+from ..core.manifest import merge_runs, read_descriptors
+
 
 class TransferError(RuntimeError):
     """A transfer failed or did not finish in time."""
@@ -136,3 +138,23 @@ def make_transport(name: str, host: str) -> Transport:
     if name not in TRANSPORTS:
         raise ValueError(f"unknown transport {name!r}; accepted: {sorted(TRANSPORTS)}.")
     return TRANSPORTS[name](host)
+
+
+def read_owned_blocks(transport: Transport, manifests: dict[int, list[tuple[int, int]]],
+                      peers: dict[int, dict], local_block_ids: list[int],
+                      local_addrs: list[int], page_bytes: list[int], timeout_s: float,
+                      pause_s: float = 0.0) -> int:
+    """READ every rank's owned blocks (checked manifests) into their local
+    slots, one batched read per rank, runs consecutive on both sides merged;
+    ``peers[r]`` has the rank's ``layer_addrs`` and ``transport_meta``.
+    ``pause_s``: a test hook, sleep before each rank but the first.
+    Returns the number of read descriptors issued."""
+    num_descs = 0
+    for r, entries in manifests.items():
+        if r and pause_s:
+            time.sleep(pause_s)
+        reads = read_descriptors(merge_runs(entries, local_block_ids),
+                                 peers[r]["layer_addrs"], local_addrs, page_bytes)
+        num_descs += len(reads)
+        transport.read(peers[r]["transport_meta"], reads, timeout_s)
+    return num_descs

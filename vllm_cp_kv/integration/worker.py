@@ -26,7 +26,8 @@ class ShardedKVWorker(_PlatformWorker):
         specs = self.model_runner.get_kv_cache_spec()
         if not specs or not options_of(self.vllm_config).kv_sharding:
             return available
-        page_bytes = max(s.page_size_bytes for s in specs.values())
+        # one scratch per cache layout (MLA latent; sparse models: indexer)
+        page_bytes = sum({s.page_size_bytes for s in specs.values()})
         block_size = min(s.block_size for s in specs.values())
         cfg = self.vllm_config
         size = cfg.parallel_config.decode_context_parallel_size
@@ -42,6 +43,17 @@ class ShardedKVWorker(_PlatformWorker):
             "(%.1f MiB) reserved from a KV budget of %.1f MiB.", size, blocks,
             blocks * page_bytes / 2**20, available / 2**20)
         return available - blocks * page_bytes
+
+    def load_model(self, *args, **kwargs):
+        """Sparse (DeepSeek-V3.2) models: patch the indexer before vLLM
+        builds the model (see sparse.py)."""
+        cfg = self.vllm_config
+        if options_of(cfg).kv_sharding and getattr(
+                cfg.model_config.hf_text_config, "index_topk", None):
+            from .sparse import install
+
+            install()
+        return super().load_model(*args, **kwargs)
 
     def _make_model_runner(self):
         """GPU V2 runner: select cp_kv's PCP manager (see pcp.py)."""

@@ -33,8 +33,18 @@ PROMPT_SEEDS = [  # 3 to about 560 tokens with the tiny tokenizer
 ]
 
 
-def prompts(n: int) -> list[str]:
-    return [PROMPT_SEEDS[i % len(PROMPT_SEEDS)] + f" [{i}]" for i in range(n)]
+def prompts(n: int, repeat: int = 1) -> list[str]:
+    return [PROMPT_SEEDS[i % len(PROMPT_SEEDS)] * repeat + f" [{i}]" for i in range(n)]
+
+
+def token_prompt(length: int, vocab: int):
+    """One prompt of ``length`` fixed pseudo-random token ids."""
+    import torch
+    from vllm.inputs import TokensPrompt
+
+    gen = torch.Generator().manual_seed(length)
+    ids = torch.randint(3, vocab, (length,), generator=gen).tolist()
+    return TokensPrompt(prompt_token_ids=ids)
 
 
 # -- functions run inside every worker through LLM.collective_rpc ----------
@@ -52,9 +62,15 @@ def _backend_name(worker):
                    if isinstance(layer, MLAAttention)})
 
 
+def _sentinel(cache):
+    """bf16 latent caches: 1234.0; byte caches (fp8_ds_mla latent, the
+    sparse indexer's fp8 keys and scales): 0x5A."""
+    return SENTINEL if cache.dtype.is_floating_point else 0x5A
+
+
 def _poison(worker):
     for cache in _caches(worker):
-        cache.fill_(SENTINEL)
+        cache.fill_(_sentinel(cache))
     return len(_caches(worker))
 
 
@@ -63,8 +79,71 @@ def _written_rows(worker):
     counts = []
     for cache in _caches(worker):
         rows = cache.reshape(-1, cache.shape[-1])
-        counts.append(int((rows != SENTINEL).any(dim=-1).sum()))
+        counts.append(int((rows != _sentinel(cache)).any(dim=-1).sum()))
     return counts
+
+
+def _written(worker):
+    """Per layer cache: ``[row width, rows written, blocks written]`` (the
+    sparse indexer's pages hold keys then scales, so count it by blocks)."""
+    out = []
+    for cache in _caches(worker):
+        changed = cache.reshape(cache.shape[0], -1, cache.shape[-1]) != _sentinel(cache)
+        out.append([cache.shape[-1], int(changed.any(dim=-1).sum()),
+                    int(changed.any(dim=-1).any(dim=-1).sum())])
+    return out
+
+
+def _install_indexer_dump(worker, path):
+    """Save what the first sparse layer reads, for request 0 (run with one
+    prompt): at the first prefill step, the indexer's top-k positions; at
+    the first decode step, the indexer and latent cache views (the
+    materialized full views when sharded), blocks in logical order."""
+    import torch
+    from vllm.forward_context import get_forward_context
+    from vllm.models.deepseek_v32 import attention
+
+    from vllm_cp_kv.integration.runtime import get_runtime
+
+    inner, done = attention.sparse_attn_indexer, set()
+    ctx = worker.vllm_config.compilation_config.static_forward_context
+
+    def view_of(cache, plan):
+        # sharded: the runtime's full view (a memo hit, or one gather that
+        # every rank makes here, in the same order)
+        return cache if plan is None else get_runtime(cache.shape[1]).materialize(plan, cache)
+
+    def dump(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        md = get_forward_context().attn_metadata
+        prefix = kwargs.get("k_cache_prefix", args[1] if len(args) > 1 else None)
+        m = md.get(prefix) if isinstance(md, dict) else None
+        if m is None:
+            return out
+        rank = torch.distributed.get_rank()
+        topk = kwargs.get("topk_tokens", args[9] if len(args) > 9 else None)
+        if m.num_prefills and "prefill" not in done:
+            done.add("prefill")
+            torch.save(out[: m.num_prefill_tokens, :topk].cpu(),
+                       f"{path}.prefill_topk.rank{rank}.pt")
+        if m.num_decodes and "decode" not in done:
+            done.add("decode")
+            kv = kwargs.get("kv_cache", args[2] if len(args) > 2 else None)
+            plan = getattr(m, "cp_kv_plan", None)
+            seq = int(m.decode.seq_lens.reshape(-1)[0])
+            blocks = m.decode.block_table[0, : -(-seq // kv.shape[1])].long()
+            latent = ctx[prefix.replace(".indexer.k_cache", ".attn")].kv_cache
+            torch.save({"seq_len": seq, "blocks": view_of(kv, plan)[blocks].cpu(),
+                        "latent": view_of(latent, plan)[blocks].cpu()},
+                       f"{path}.rank{rank}.pt")
+        return out
+
+    attention.sparse_attn_indexer = dump
+    return True
+
+
+def _cache_shapes(worker):
+    return [[list(c.shape), str(c.dtype)] for c in _caches(worker)]
 
 
 def _corrupt_one_owned_block(worker):
@@ -75,7 +154,7 @@ def _corrupt_one_owned_block(worker):
         return None
     cache = _caches(worker)[0]
     blocks = cache.reshape(cache.shape[0], -1, cache.shape[-1])
-    written = (blocks != SENTINEL).any(dim=-1).any(dim=-1).nonzero().flatten()
+    written = (blocks != _sentinel(cache)).any(dim=-1).any(dim=-1).nonzero().flatten()
     block = int(written[0])
     gen = __import__("torch").Generator().manual_seed(0)
     blocks[block] = (__import__("torch").randn(blocks[block].shape, generator=gen)
@@ -106,6 +185,8 @@ def run(a) -> dict:
         kw["attention_config"] = {"backend": a.backend}
     if a.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = a.max_num_batched_tokens
+    if a.kv_cache_dtype:
+        kw["kv_cache_dtype"] = a.kv_cache_dtype
     if a.shard or a.cp_kv:
         kw["additional_config"] = {"cp_kv": {"enable": True,
                                              **json.loads(a.cp_kv or "{}")}}
@@ -114,7 +195,10 @@ def run(a) -> dict:
     cache_config = vllm_config.cache_config
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens,
                         ignore_eos=True, logprobs=1)
-    texts = prompts(a.num_prompts)
+    texts = prompts(a.num_prompts, a.prompt_repeat)
+    if a.token_prompt_len:
+        texts = [token_prompt(a.token_prompt_len,
+                              vllm_config.model_config.get_vocab_size())]
     from vllm_cp_kv.integration import plugin
 
     parallel = vllm_config.parallel_config
@@ -130,6 +214,9 @@ def run(a) -> dict:
                  "dcp": vllm_config.parallel_config.decode_context_parallel_size,
                  "chunked_prefill": vllm_config.scheduler_config.enable_chunked_prefill,
                  "backends": llm.collective_rpc(_backend_name)}
+    res["cache_shapes"] = llm.collective_rpc(_cache_shapes)[0]
+    if a.dump_indexer:
+        llm.collective_rpc(_install_indexer_dump, args=(a.dump_indexer,))
     if a.poison:
         llm.collective_rpc(_poison)
     if a.corrupt_after_prefill:
@@ -152,6 +239,7 @@ def run(a) -> dict:
     res["texts"] = [o.outputs[0].text for o in outs]
     if a.poison:
         res["written_rows"] = llm.collective_rpc(_written_rows)
+        res["written"] = llm.collective_rpc(_written)
     if a.pcp > 1:
         res["last_token"] = llm.collective_rpc(_last_token_stats)
     return res
@@ -178,6 +266,14 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--no-plugin", action="store_true",
                     help="plain vLLM: do not load the installed plugin")
+    ap.add_argument("--prompt-repeat", type=int, default=1,
+                    help="repeat each prompt text (longer prompts)")
+    ap.add_argument("--token-prompt-len", type=int, default=None,
+                    help="one prompt of this many fixed random token ids instead")
+    ap.add_argument("--dump-indexer", default=None,
+                    help="sparse models: PATH prefix; save the first indexer "
+                         "layer's view of request 0 at the first decode step")
+    ap.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8_ds_mla")
     ap.add_argument("--poison", action="store_true")
     ap.add_argument("--corrupt-after-prefill", action="store_true")
     a = ap.parse_args()

@@ -91,6 +91,85 @@ def build_v3_attention(out_dir: str) -> str:
                   device="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def build_dsv32(out_dir: str, *, v3_shapes: bool = False, init: float = 0.1) -> str:
+    """A DeepSeek-V3.2 (sparse attention, DSA) model with random weights.
+
+    Tiny (default): hidden 256, 2 dense layers, 64 heads, q_lora 128, DeepSeek
+    head sizes, an indexer of 64 heads x 128 with ``index_topk=512`` (prompts
+    longer than 512 tokens attend sparsely). ``v3_shapes``: DeepSeek-V3.2's
+    attention and indexer shapes (hidden 7168, 128 heads, q_lora 1536,
+    ``index_topk=2048``), for time-to-first-token runs.
+
+    Built through DeepSeek-V2's classes (transformers releases without
+    DeepSeek-V3.2, as on the GPU machine), plus the indexer weights under
+    the names vLLM loads (``self_attn.indexer.{wq_b,wk,k_norm,weights_proj}``).
+    """
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    import torch
+    from safetensors.torch import save_file
+    from transformers import DeepseekV2Config
+
+    tok = build_tokenizer(700)
+    if v3_shapes:
+        dims = dict(hidden_size=7168, num_attention_heads=128, q_lora_rank=1536,
+                    max_position_embeddings=131072)
+        index = dict(index_n_heads=64, index_head_dim=128, index_topk=2048)
+    else:
+        dims = dict(hidden_size=256, num_attention_heads=64, q_lora_rank=128,
+                    max_position_embeddings=4096)
+        index = dict(index_n_heads=64, index_head_dim=128, index_topk=512)
+    cfg = DeepseekV2Config(
+        vocab_size=1024 if v3_shapes else len(tok), intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2, first_k_dense_replace=2,
+        num_key_value_heads=dims["num_attention_heads"], kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, head_dim=64,
+        n_routed_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        initializer_range=init, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **dims)
+    device = "cuda" if v3_shapes and torch.cuda.is_available() else "cpu"
+    _write(cfg, tok, out_dir, seed=0, device=device)
+    gen = torch.Generator().manual_seed(1)
+    hidden, q_lora = dims["hidden_size"], dims["q_lora_rank"]
+    heads, dim = index["index_n_heads"], index["index_head_dim"]
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * init).to(torch.bfloat16)
+
+    weights = {}
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}.self_attn.indexer."
+        weights.update({p + "wq_b.weight": rand(heads * dim, q_lora),
+                        p + "wk.weight": rand(dim, hidden),
+                        p + "k_norm.weight": torch.ones(dim, dtype=torch.bfloat16),
+                        p + "k_norm.bias": torch.zeros(dim, dtype=torch.bfloat16),
+                        p + "weights_proj.weight": rand(heads, hidden)})
+    save_file(weights, os.path.join(out_dir, "indexer.safetensors"))
+    _add_to_index(out_dir, "indexer.safetensors", weights)
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        data = json.load(f)
+    data = {k: v for k, v in data.items() if v is not None}  # strict configs
+    data.update(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"],
+                n_group=1, topk_group=1, **index)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    return out_dir
+
+
+def _add_to_index(out_dir: str, filename: str, weights: dict) -> None:
+    """Sharded checkpoints list their tensors: add the extra file's."""
+    path = os.path.join(out_dir, "model.safetensors.index.json")
+    if not os.path.exists(path):
+        return  # single-file checkpoint: vLLM loads every *.safetensors
+    with open(path) as f:
+        index = json.load(f)
+    index["weight_map"].update({name: filename for name in weights})
+    with open(path, "w") as f:
+        json.dump(index, f, indent=2)
+
+
 def _write(cfg, tok, out_dir: str, seed: int, device: str = "cpu") -> str:
     """Random bf16 weights, tokenizer, and a config without the fields other
     transformers releases reject on load."""
@@ -142,7 +221,13 @@ def main() -> None:
     ap.add_argument("--llama", action="store_true", help="tiny non-MLA model")
     ap.add_argument("--v3-attention", action="store_true",
                     help="2 layers with DeepSeek-V3 attention shapes (TTFT runs)")
+    ap.add_argument("--dsv32", action="store_true",
+                    help="DeepSeek-V3.2 sparse attention (with --v3-attention: "
+                         "DeepSeek-V3.2 shapes)")
     a = ap.parse_args()
+    if a.dsv32:
+        print(build_dsv32(a.out_dir, v3_shapes=a.v3_attention))
+        return
     if a.llama or a.v3_attention:
         print((build_llama if a.llama else build_v3_attention)(a.out_dir))
         return

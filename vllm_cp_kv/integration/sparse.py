@@ -1,0 +1,153 @@
+"""Sparse attention (DeepSeek-V3.2 DSA): the indexer K cache is sharded with
+the MLA latent, by the same block ownership, and materialized by the same
+per-batch plan.
+
+A DSA layer keeps two paged caches in one KV cache group: the latent (read
+by the sparse MLA backend, FLASH_ATTN_MLA_SPARSE or FLASHMLA_SPARSE, which
+``backend.sharded_backend`` wraps like any MLA backend) and the indexer's
+fp8 keys with their scales (read by vLLM's ``sparse_attn_indexer`` op to
+pick each query's top-k tokens). Both are written owner-only through vLLM's
+DCP slot mapping, so each rank stores only the blocks it owns. Here:
+
+* the indexer's metadata builder takes the batch plan the latent's builder
+  made (:func:`~vllm_cp_kv.integration.backend.plan_batch`, one per batch)
+  and sees the full-view block table;
+* vLLM's indexer op (``sparse_attn_indexer``) runs unchanged on the
+  materialized full view, as if DCP were off: no CuteDSL top-k merge across
+  ranks is needed, since every rank sees every key. New keys are written to
+  the persistent cache first (by the model's fused norm/RoPE kernel, or
+  under PCP by the op's own insert, done here beforehand), owner-only.
+
+:func:`install` runs in sharded workers of sparse models, before the model
+is built (``worker.py``); without a plan in the batch metadata (sharding
+off, profile runs) the op runs exactly as vLLM's.
+"""
+
+from __future__ import annotations
+
+import functools
+from functools import cache
+
+from .backend import plan_batch, translated, unsharded_view
+from .runtime import get_runtime
+
+_INSTALLED = False
+
+
+@cache
+def sharded_indexer_backend(inner: type) -> type:
+    """Return ``inner`` (vLLM's DSA indexer backend) with a builder that
+    plans with the latent and translates the block table to the full view."""
+    inner_builder = inner.get_builder_cls()
+
+    class Builder(inner_builder):
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, device,
+                     *args, **kwargs):
+            if "block_table_width" in kwargs:
+                # a full-view row holds every logical block of a request: N
+                # times the columns of a DCP-sharded row
+                n = vllm_config.parallel_config.decode_context_parallel_size
+                kwargs["block_table_width"] *= n
+            with unsharded_view(vllm_config):
+                super().__init__(kv_cache_spec, layer_names, vllm_config, device,
+                                 *args, **kwargs)
+
+        def build(self, common_prefix_len, common_attn_metadata,
+                  fast_build: bool = False):
+            common = common_attn_metadata
+            # the indexer reads every token of the batch, as sparse MLA does
+            plan, full, _ = plan_batch(common, self.kv_cache_spec.block_size,
+                                       1, whole=True)
+            metadata = super().build(common_prefix_len, translated(common, full),
+                                     fast_build)
+            metadata.cp_kv_plan = plan
+            return metadata
+
+    class Backend(inner):
+        @staticmethod
+        def get_builder_cls():
+            return Builder
+
+    for cls, role in ((Backend, "Backend"), (Builder, "Builder")):
+        cls.__name__ = cls.__qualname__ = f"ShardedKV{role}_{inner.get_name()}"
+    return Backend
+
+
+def _write_owned(k, metadata, kv_cache, args) -> None:
+    """This step's indexer keys into this rank's persistent cache.
+
+    The same steps as the insert inside vLLM's ``sparse_attn_indexer`` (PCP
+    runs insert there; otherwise the model's fused norm/RoPE kernel has
+    already written them): vLLM's DCP slot mapping is ``-1`` for tokens
+    another rank owns, so each rank writes only its own blocks.
+    """
+    from vllm import _custom_ops as ops
+    from vllm.distributed import get_pcp_group
+    from vllm.v1.attention.ops.pcp import maybe_gather_indexer_k
+
+    slot_mapping = metadata.slot_mapping
+    num_tokens = slot_mapping.shape[0]
+    if args["use_pcp"] and num_tokens > k.shape[0]:
+        num_tokens //= get_pcp_group().world_size
+    k, slots = maybe_gather_indexer_k(
+        k[:num_tokens], slot_mapping, metadata.num_decode_tokens, args["use_pcp"],
+        pcp_shard_decode_requests=args["pcp_shard_decode_requests"])
+    ops.indexer_k_quant_and_cache(k, kv_cache, slots, args["quant_block_size"],
+                                  args["scale_fmt"])
+
+
+def _sharded_indexer_op(orig):
+    """Wrap vLLM's ``sparse_attn_indexer`` function: on a sharded batch, run
+    it on the full view with the insert done beforehand and DCP off."""
+    import inspect
+
+    from vllm import forward_context
+    from vllm.model_executor.layers.sparse_attn_indexer import _resolve_layer_name
+
+    signature = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def sparse_attn_indexer(*args, **kwargs):
+        metadata = forward_context.get_forward_context().attn_metadata
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if isinstance(metadata, dict):
+            metadata = metadata.get(_resolve_layer_name(a["k_cache_prefix"]))
+        plan = getattr(metadata, "cp_kv_plan", None)
+        if plan is None:  # not sharded, or a profile run
+            return orig(*args, **kwargs)
+        persistent = a["kv_cache"]
+        if not a["skip_k_cache_insert"]:
+            _write_owned(a["k"], metadata, persistent, a)
+        a["kv_cache"] = get_runtime(persistent.shape[1]).materialize(plan, persistent)
+        a.update(skip_k_cache_insert=True, dcp_rank=0, dcp_world_size=1)
+        return orig(**a)
+
+    sparse_attn_indexer._cp_kv = True
+    return sparse_attn_indexer
+
+
+def install() -> None:
+    """Patch vLLM's DeepSeek-V3.2 attention (idempotent; in sharded workers
+    of sparse models, before the model is built).
+
+    Two bindings, both only used by sparse models: the indexer cache
+    layer's backend (its metadata builder) and the ``sparse_attn_indexer``
+    function as ``vllm.models.deepseek_v32.attention`` calls it.
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
+    from vllm.models.deepseek_v32 import attention
+
+    attention.sparse_attn_indexer = _sharded_indexer_op(attention.sparse_attn_indexer)
+    orig_backend = DeepseekV32IndexerCache.get_attn_backend
+
+    @functools.wraps(orig_backend)
+    def get_attn_backend(self):
+        return sharded_indexer_backend(orig_backend(self))
+
+    DeepseekV32IndexerCache.get_attn_backend = get_attn_backend
