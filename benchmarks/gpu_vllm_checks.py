@@ -70,6 +70,13 @@ def runs():
                                "--dump-indexer", "{out}/tp2-fas-dump-shard"], DEBUG)
     r["tp2-fas-dump-plain"] = ("gen", "dsv32", TP + dump + [
         "--cp-kv", '{"kv_sharding": false}', "--dump-indexer", "{out}/tp2-fas-dump-plain"], {})
+    # the same pairs with each top-k row's order fixed in both runs (vLLM's
+    # top-k order varies run to run): token identity for long prompts too
+    for b, extra in SPARSE.items():
+        for layout, base in (("tp2", TP), ("pcp2", PCP)):
+            fixed = base + extra + long + ["--sorted-topk"]
+            r[f"{layout}-{b}-sorted-shard"] = ("gen", "dsv32", fixed + ["--shard", "--poison"], DEBUG)
+            r[f"{layout}-{b}-sorted-plain"] = ("gen", "dsv32", fixed + ["--no-plugin"], {})
     # determinism probes: the same runs again, and sharded without poison
     r["tp2-fas-plain-again"] = ("gen", "dsv32", TP + SPARSE["fas"] + long + ["--no-plugin"], {})
     r["tp2-fas-dump-plain-again"] = ("gen", "dsv32", TP + dump + [
@@ -108,6 +115,8 @@ GROUPS = {
     "sparse-probe": ["tp2-fas-dump-shard", "tp2-fas-dump-plain", "tp2-fas-dump-plain-again",
                      "tp2-fas-dump-shard-clean", "tp2-fas-plain-again"],
     "sparse-determinism": ["tp1-fas-plain-a", "tp1-fas-plain-b", "tp1-fas-dump-a", "tp1-fas-dump-b"],
+    "sparse-sorted": [f"{layout}-{b}-sorted-{k}" for b in SPARSE for layout in ("tp2", "pcp2")
+                      for k in ("shard", "plain")],
     "sparse-ttft": ["ttft-sparse-pcp2-shard", "ttft-sparse-pcp2-repl",
                     "ttft-sparse-tp2-shard", "ttft-sparse-tp2-repl"],
 }
@@ -212,6 +221,10 @@ def compare(results):
             pair(f"sparse-{layout}-{b}", f"{layout}-{b}-shard", f"{layout}-{b}-plain")
             sparse_identity(out.get(f"sparse-{layout}-{b}"), results.get(f"{layout}-{b}-shard"),
                             results.get(f"{layout}-{b}-plain"))
+    for b in SPARSE:
+        for layout in ("tp2", "pcp2"):
+            pair(f"sparse-sorted-{layout}-{b}", f"{layout}-{b}-sorted-shard",
+                 f"{layout}-{b}-sorted-plain")
     determinism(out, results)
     if "tp2-fas-dump-shard" in results and "tp2-fas-dump-plain" in results:
         out["sparse-indexer-view"] = indexer_view_check(results)

@@ -142,6 +142,39 @@ def _install_indexer_dump(worker, path):
     return True
 
 
+def _install_sorted_topk(worker):
+    """Verification aid for sparse models (not a serving feature): sort each
+    row of the indexer's top-k output (valid positions ascending, ``-1``
+    last). vLLM's top-k returns the same set in a run-dependent order and the
+    sparse kernels sum in that order, so two identical runs differ in the
+    last bits; with the order fixed, sharded and unsharded runs can be
+    compared token for token. Installed in both runs of a comparison."""
+    import torch
+    from vllm.models.deepseek_v32 import attention
+
+    inner = attention.sparse_attn_indexer
+
+    def sorted_topk(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        k = kwargs.get("topk_tokens", args[9] if len(args) > 9 else None)
+        rows = out[: hidden.shape[0], :k]
+        rows.copy_(sorted_rows(rows))
+        return out
+
+    attention.sparse_attn_indexer = sorted_topk
+    return True
+
+
+def sorted_rows(rows):
+    """Each row ascending, negative entries (no token) moved to the end as -1."""
+    import torch
+
+    big = torch.iinfo(rows.dtype).max
+    keyed = rows.masked_fill(rows < 0, big).sort(dim=1).values
+    return keyed.masked_fill(keyed == big, -1)
+
+
 def _cache_shapes(worker):
     return [[list(c.shape), str(c.dtype)] for c in _caches(worker)]
 
@@ -215,6 +248,8 @@ def run(a) -> dict:
                  "chunked_prefill": vllm_config.scheduler_config.enable_chunked_prefill,
                  "backends": llm.collective_rpc(_backend_name)}
     res["cache_shapes"] = llm.collective_rpc(_cache_shapes)[0]
+    if a.sorted_topk:
+        llm.collective_rpc(_install_sorted_topk)
     if a.dump_indexer:
         llm.collective_rpc(_install_indexer_dump, args=(a.dump_indexer,))
     if a.poison:
@@ -274,6 +309,9 @@ def main() -> None:
                     help="sparse models: PATH prefix; save the first indexer "
                          "layer's view of request 0 at the first decode step")
     ap.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8_ds_mla")
+    ap.add_argument("--sorted-topk", action="store_true",
+                    help="sparse models: fix the order of each top-k row (both "
+                         "runs of a comparison; see _install_sorted_topk)")
     ap.add_argument("--poison", action="store_true")
     ap.add_argument("--corrupt-after-prefill", action="store_true")
     a = ap.parse_args()
