@@ -34,11 +34,12 @@ pytestmark = [needs_vllm, pytest.mark.skipif(
            "request), see docs/disaggregated.md")]
 EXAMPLES = os.path.join(ROOT, "examples", "disaggregated")
 MAX_TOKENS = 32
-# vLLM 0.32 on CPU computes this tiny model differently at TP=1 and TP=2 (first
-# tokens differ even in fp32, without the plugin), so the decode instance and
-# the single-instance reference use TP=2 like the prefill; the decode is not
-# sharded: each of its ranks pulls every block.
-DECODE_TP = 2
+DECODE_TP = 1
+# Exact identity on CPU (docs/disaggregated.md, "Status"): fp32 with CPU_MLA
+# (block 16) and PyTorch's rope instead of vLLM 0.32's CPU rotary kernel,
+# which is wrong for MLA, on every server and in the reference.
+EXACT_ARGS = ('--dtype float32 --attention-backend CPU_MLA '
+              '--compilation-config {"custom_ops":["all","-rotary_embedding"]}')
 
 
 def post(url, body, timeout=300):
@@ -78,7 +79,7 @@ class Servers:
         self.side = free_port(consecutive=2)
         bin_dir = os.path.dirname(sys.executable)
         env = {**os.environ, **CPU_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-               "EXPIRY_S": "20"}
+               "EXPIRY_S": "20", "EXTRA_ARGS": EXACT_ARGS, "BLOCK_SIZE": "16"}
         self.procs = {}
         self.logs = {}
         self._start("prefill", ["bash", f"{EXAMPLES}/start_prefill.sh", model, str(self.pp),
@@ -86,7 +87,8 @@ class Servers:
                     {**env, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
         self._start("decode", ["bash", f"{EXAMPLES}/start_decode.sh", model, str(self.dp),
                                transport],
-                    {**env, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "TP": str(DECODE_TP),
+                    {**env, "VLLM_CPU_OMP_THREADS_BIND": "1" if DECODE_TP == 1 else "0|1",
+                     "TP": str(DECODE_TP),
                      "VLLM_CP_KV_TEST_HOOKS": "1"})
         self._start("proxy", [sys.executable, f"{EXAMPLES}/proxy.py", "--prefill",
                               f"http://127.0.0.1:{self.pp}", "--decode",
@@ -130,7 +132,8 @@ class Servers:
 @pytest.fixture(scope="module")
 def reference(tiny_dsv2, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("pd_ref"))
-    return run_generate(tiny_dsv2, d, "reference", "--tp", str(DECODE_TP), "--block-size", "32")
+    return run_generate(tiny_dsv2, d, "reference", "--tp", str(DECODE_TP), "--block-size", "16",
+                        "--dtype", "float32", "--backend", "CPU_MLA", "--torch-rope")
 
 
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])

@@ -136,6 +136,8 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._sending: dict[str, tuple[list[int], int, float]] = {}
         self._queued_recv: dict[str, tuple[list[int], dict, str | None]] = {}
         self._readers_done: dict[str, int] = {}
+        self._active_readers = 0  # open side-channel conversations (producer)
+        self._readers_present = threading.Event()
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -237,6 +239,8 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
                                 authkey=AUTHKEY)
             threading.Thread(target=self._serve, args=(listener,), daemon=True,
                              name=f"cp_kv-side-channel-{self.rank}").start()
+            threading.Thread(target=self._progress_loop, daemon=True,
+                             name=f"cp_kv-progress-{self.rank}").start()
             logger.info("cp_kv connector: prefill rank %d/%d serves %s on %s:%d",
                         self.rank, self.shard_size, self.transport_name, self.host,
                         self.port + self.rank)
@@ -294,20 +298,40 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
             threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
 
     def _serve_one(self, conn) -> None:
-        """One decode rank's conversation; drives the transport's progress
-        while the reader may be pulling blocks (between manifest and done)."""
+        """One decode rank's conversation. While it may be pulling blocks
+        (from its first message to the end of the conversation) it counts as
+        an active reader, for which one shared loop drives the transport's
+        progress (one loop however many readers: per-conversation polling
+        loops starved small machines' cores)."""
         idle_since = time.monotonic()
+        self._reader_active(+1)
         with conn:
             try:
                 while time.monotonic() - idle_since < SIDE_CHANNEL_IDLE_S:
-                    if not conn.poll(0.001):
-                        self._transport.progress()
+                    if not conn.poll(0.05):
                         continue
                     op, arg = conn.recv()
                     conn.send(self._answer(op, arg))
                     idle_since = time.monotonic()
             except (EOFError, OSError):
                 pass
+            finally:
+                self._reader_active(-1)
+
+    def _reader_active(self, delta: int) -> None:
+        with self._lock:
+            self._active_readers += delta
+            if self._active_readers > 0:
+                self._readers_present.set()
+            else:
+                self._readers_present.clear()
+
+    def _progress_loop(self) -> None:
+        """Drive the transport's progress while any reader is active."""
+        while True:
+            self._readers_present.wait()
+            self._transport.progress()
+            time.sleep(0.001)
 
     def _answer(self, op: str, arg: Any):
         if op == "hello":

@@ -101,6 +101,9 @@ class MooncakeTransport(Transport):
         if rc != 0:
             raise TransferError(f"Mooncake TransferEngine.initialize failed (rc={rc})")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
+        # Concurrent batch reads from several receive threads fail (-1) in
+        # Mooncake's P2P handshake path; one read at a time, as for NIXL.
+        self._read_lock = threading.Lock()
 
     def register(self, tensors):
         for t in tensors:
@@ -116,9 +119,10 @@ class MooncakeTransport(Transport):
 
         def run():
             try:
-                result.append(self.engine.batch_transfer_sync_read(
-                    peer_meta["session"], [la for _, la, _ in reads],
-                    [ra for ra, _, _ in reads], [n for _, _, n in reads]))
+                with self._read_lock:
+                    result.append(self.engine.batch_transfer_sync_read(
+                        peer_meta["session"], [la for _, la, _ in reads],
+                        [ra for ra, _, _ in reads], [n for _, _, n in reads]))
             except Exception as e:  # reported below
                 result.append(e)
 

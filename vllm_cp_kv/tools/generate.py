@@ -220,6 +220,8 @@ def run(a) -> dict:
         kw["max_num_batched_tokens"] = a.max_num_batched_tokens
     if a.kv_cache_dtype:
         kw["kv_cache_dtype"] = a.kv_cache_dtype
+    if a.torch_rope:  # vLLM 0.32's CPU rotary kernel is wrong for MLA (docs/disaggregated.md)
+        kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
     if a.shard or a.cp_kv:
         kw["additional_config"] = {"cp_kv": {"enable": True,
                                              **json.loads(a.cp_kv or "{}")}}
@@ -309,6 +311,8 @@ def main() -> None:
                     help="sparse models: PATH prefix; save the first indexer "
                          "layer's view of request 0 at the first decode step")
     ap.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8_ds_mla")
+    ap.add_argument("--torch-rope", action="store_true",
+                    help="CPU: PyTorch's rope instead of vLLM's rotary kernel")
     ap.add_argument("--sorted-topk", action="store_true",
                     help="sparse models: fix the order of each top-k row (both "
                          "runs of a comparison; see _install_sorted_topk)")
