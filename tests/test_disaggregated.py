@@ -171,7 +171,16 @@ def test_dropping_logical_positions_changes_the_output(servers, reference):
     """Negative control: the receiver without the position mapping."""
     from vllm_cp_kv.tools.generate import prompts
 
-    i = max(range(len(reference["prompt_lens"])), key=lambda k: reference["prompt_lens"][k])
+    # MLA attention over cached keys does not depend on where a *full* block
+    # sits (its rope position is in k_pe; the sum over keys is order-free), so
+    # the control needs a prompt whose partially filled last block moves when
+    # blocks are written in arrival order (rank 0's, then rank 1's): an odd
+    # number (>= 3) of 16-token blocks, the last one partial.
+    def moves(n, bs=16):
+        return -(-n // bs) % 2 == 1 and n > 2 * bs and n % bs != 0
+
+    lens = reference["prompt_lens"]
+    i = max((k for k in range(len(lens)) if moves(lens[k])), key=lambda k: lens[k])
     text = prompts(len(reference["tokens"]))[i]
     params = servers.prefill_params(text)
     status, out = servers.completion(servers.dp, text, kv_transfer_params=dict(
