@@ -35,6 +35,9 @@ pytestmark = [needs_vllm, pytest.mark.skipif(
 EXAMPLES = os.path.join(ROOT, "examples", "disaggregated")
 MAX_TOKENS = 32
 DECODE_TP = 1
+# prefill-side expiry of unclaimed blocks: long enough for a slow fp32 decode
+# on 2 cores to claim them (20 s was not), short enough to test expiry
+EXPIRY_S = 60
 # Exact identity on CPU (docs/disaggregated.md, "Status"): fp32 with CPU_MLA
 # (block 16) and PyTorch's rope instead of vLLM 0.32's CPU rotary kernel,
 # which is wrong for MLA, on every server and in the reference.
@@ -79,7 +82,7 @@ class Servers:
         self.side = free_port(consecutive=2)
         bin_dir = os.path.dirname(sys.executable)
         env = {**os.environ, **CPU_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-               "EXPIRY_S": "20", "EXTRA_ARGS": EXACT_ARGS, "BLOCK_SIZE": "16"}
+               "EXPIRY_S": str(EXPIRY_S), "EXTRA_ARGS": EXACT_ARGS, "BLOCK_SIZE": "16"}
         self.procs = {}
         self.logs = {}
         self._start("prefill", ["bash", f"{EXAMPLES}/start_prefill.sh", model, str(self.pp),
@@ -207,9 +210,10 @@ def test_malformed_out_of_range_and_mismatched_params_fail_cleanly(servers):
     _expect_error(servers, text, malformed, "malformed kv_transfer_params")
     _expect_error(servers, text, dict(good, remote_block_ids=[-5]), "out-of-range kv_transfer_params")
     _expect_error(servers, text, dict(good, shard_size=4), "handshake mismatch")
-    # the prefill side frees the unclaimed blocks after its expiry (20 s here)
-    wait_until(lambda: kv_usage(servers.pp) == 0.0, 90, "prefill KV usage 0 after expiry")
-    assert "expired after 20 s" in servers.log("prefill")
+    # the prefill side frees the unclaimed blocks after its expiry
+    wait_until(lambda: kv_usage(servers.pp) == 0.0, EXPIRY_S + 90,
+               "prefill KV usage 0 after expiry")
+    assert f"expired after {EXPIRY_S} s" in servers.log("prefill")
 
 
 def test_prefill_killed_mid_transfer(servers):
