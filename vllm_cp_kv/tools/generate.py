@@ -74,15 +74,6 @@ def _poison(worker):
     return len(_caches(worker))
 
 
-def _written_rows(worker):
-    """Per layer: number of token rows not equal to the sentinel."""
-    counts = []
-    for cache in _caches(worker):
-        rows = cache.reshape(-1, cache.shape[-1])
-        counts.append(int((rows != _sentinel(cache)).any(dim=-1).sum()))
-    return counts
-
-
 def _written(worker):
     """Per layer cache: ``[row width, rows written, blocks written]`` (the
     sparse indexer's pages hold keys then scales, so count it by blocks)."""
@@ -275,8 +266,9 @@ def run(a) -> dict:
                        for o in outs]
     res["texts"] = [o.outputs[0].text for o in outs]
     if a.poison:
-        res["written_rows"] = llm.collective_rpc(_written_rows)
         res["written"] = llm.collective_rpc(_written)
+        # per rank and layer: token rows written (dense checks read these)
+        res["written_rows"] = [[rows for _, rows, _ in layers] for layers in res["written"]]
     if a.pcp > 1:
         res["last_token"] = llm.collective_rpc(_last_token_stats)
     return res
