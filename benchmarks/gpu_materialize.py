@@ -72,7 +72,7 @@ def check_correctness(rank, n, fn, results):
             table, lens_t, gen = batch(n, lens, shared, 7, num_blocks)
             caches = [random_cache(shape, dtype, num_blocks, gen) for _ in range(n)]
             spec = CPShardSpec(rank, n, BS)
-            plan = plan_materialization(spec, table.to(dev), lens_t.to(dev))
+            plan = plan_materialization(spec, table.to(dev), lens_t)
             scratch = torch.empty((plan.num_scratch_blocks, *shape), dtype=dtype, device=dev)
             scratch.view(torch.uint8).fill_(0xFF)  # poison
             full = gather(plan, rank, caches[rank].to(dev), fn, scratch=scratch)
@@ -167,7 +167,7 @@ def bandwidth(rank, n, fn, results):
         table = torch.randperm(num_blocks - 1, device=dev)[: 16 * -(-seq // (BS * n))] + 1
         table = table.view(16, -1).to(torch.int32)
         plan = plan_materialization(CPShardSpec(rank, n, BS), table,
-                                    torch.full((16,), seq, device=dev))
+                                    torch.full((16,), seq))
         scratch = torch.empty((plan.num_scratch_blocks, BS, 576), device=dev, dtype=torch.bfloat16)
         nbytes = plan.blocks_per_rank * block_bytes
         flat_in = torch.randn(nbytes // 2, device=dev, dtype=torch.bfloat16)
@@ -218,7 +218,7 @@ def overlap(rank, n, fn, results, layers=4):
                   for _ in range(layers)]
         table = (torch.arange(-(-nb // n), device=dev, dtype=torch.int32) + 1)[None]
         plan = plan_materialization(CPShardSpec(rank, n, BS), table,
-                                    torch.tensor([ctx], device=dev))
+                                    torch.tensor([ctx]))
         bufs = [torch.empty((plan.num_scratch_blocks, BS, 576), device=dev,
                             dtype=torch.bfloat16) for _ in range(2)]
         pf = LayerPrefetcher(plan, rank, fn, bufs)

@@ -97,6 +97,12 @@ def runs():
             "--shard", "--lens", SPARSE_TTFT_LENS], {})
         r[f"ttft-sparse-{layout}2-repl"] = ("ttft", "dsv32-v3", par + [
             "--lens", SPARSE_TTFT_LENS], {})
+        # the same with 9 repetitions and one profiled prompt of the longest
+        # length: where the time goes (GPU kernels vs host syncs)
+        for k, flag in (("shard", ["--shard"]), ("repl", [])):
+            name = f"ttft-sparse-{layout}2-{k}-prof"
+            r[name] = ("ttft", "dsv32-v3", par + flag + [
+                "--lens", SPARSE_TTFT_LENS, "--reps", "9", "--profile", "{out}/" + name], {})
     r["ttft-pcp2-shard"] = ("ttft", "v3attn", ["--pcp", "2", "--shard", "--lens", TTFT_LENS], {})
     r["ttft-pcp2-repl"] = ("ttft", "v3attn", ["--pcp", "2", "--lens", TTFT_LENS], {})
     return r
@@ -119,6 +125,7 @@ GROUPS = {
                       for k in ("shard", "plain")],
     "sparse-ttft": ["ttft-sparse-pcp2-shard", "ttft-sparse-pcp2-repl",
                     "ttft-sparse-tp2-shard", "ttft-sparse-tp2-repl"],
+    "sparse-prof": ["ttft-sparse-pcp2-shard-prof", "ttft-sparse-pcp2-repl-prof"],
 }
 GROUPS["sparse"] = GROUPS["sparse-smoke"] + GROUPS["sparse-rest"] + GROUPS["sparse-ttft"]
 GROUPS["all"] = GROUPS["pcp"] + GROUPS["pcp-triton"] + GROUPS["vllm-moe-bug"] + GROUPS["tp"] + GROUPS["ttft"]
@@ -236,6 +243,8 @@ def compare(results):
     for layout in ("pcp2", "tp2"):
         ttft_pair(out, f"sparse-ttft-{layout}", results.get(f"ttft-sparse-{layout}-shard"),
                   results.get(f"ttft-sparse-{layout}-repl"))
+        ttft_pair(out, f"sparse-ttft-{layout}-9reps", results.get(f"ttft-sparse-{layout}-shard-prof"),
+                  results.get(f"ttft-sparse-{layout}-repl-prof"))
     pair("pcp2-dense", "pcp2-dense-shard", "pcp2-dense-plain")
     pair("pcp2-moe", "pcp2-moe-shard", "pcp2-moe-base")
     pair("pcp2-dense-triton", "pcp2-dense-triton-shard", "pcp2-dense-triton-plain")
@@ -271,6 +280,10 @@ def ttft_pair(out, key, s, b):
                     "shard_ms": {n: v["median"] for n, v in s["ttft_ms"].items()},
                     "replicated_ms": {n: v["median"] for n, v in b["ttft_ms"].items()},
                     "capacity_ratio": round(s["capacity_tokens"] / b["capacity_tokens"], 3)}
+        if "profile" in s and "profile" in b:  # one profiled prompt, per worker
+            out[key]["profile_gpu_busy_span_us"] = {
+                k: [[v["gpu_busy_us"], v["gpu_span_us"]] for v in r["profile"].values()]
+                for k, r in (("shard", s), ("replicated", b))}
 
 
 INDEXER_ROW = 132  # bytes per token of the DSA indexer cache (128 fp8 + fp32 scale)

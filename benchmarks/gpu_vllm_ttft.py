@@ -1,19 +1,28 @@
 """Time to first token in real vLLM on GPU, one parallel layout per process.
 
 Usage: python benchmarks/gpu_vllm_ttft.py MODEL OUT_JSON --pcp 2 [--shard]
-           [--lens 8192,32768,65536] [--reps 5]
+           [--lens 8192,32768,65536] [--reps 5] [--profile DIR]
 MODEL: ``python -m vllm_cp_kv.tools.tiny_model DIR --v3-attention`` (2 layers,
 DeepSeek-V3 attention shapes). Random-token prompts, ``max_tokens=1``, one
 warm-up, then the median of ``reps`` runs per length (a fresh prompt each
 time, so nothing is cached). ``gpu_vllm_checks.py`` runs it for sharded and
 replicated PCP in the same lease and reports ratios.
+
+``--profile DIR``: after the timed runs, one more prompt of the longest
+length under vLLM's torch profiler (every worker writes a trace to DIR); the
+result JSON gets a per-rank summary of the traces (GPU time per kernel, GPU
+busy time vs the traced span, host-side syncs), to compare two layouts.
 """
 
 import argparse
+import glob
+import gzip
 import json
+import os
 import random
 import statistics
 import time
+from collections import defaultdict
 
 
 def main():
@@ -26,6 +35,7 @@ def main():
     ap.add_argument("--lens", default="8192,32768")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gpu-mem", type=float, default=0.5)
+    ap.add_argument("--profile", default=None, metavar="DIR")
     a = ap.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -35,6 +45,9 @@ def main():
               max_model_len=max(lens) + 64, gpu_memory_utilization=a.gpu_mem,
               tensor_parallel_size=a.tp, prefill_context_parallel_size=a.pcp,
               seed=0, max_num_seqs=4, disable_custom_all_reduce=True)
+    if a.profile:
+        kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": a.profile,
+                                 "torch_profiler_with_stack": False}
     if a.shard:
         kw["additional_config"] = {"cp_kv": {"enable": True}}
     llm = LLM(**kw)
@@ -62,9 +75,48 @@ def main():
         res["ttft_ms"][str(n)] = {"median": round(statistics.median(times), 2),
                                   "min": round(min(times), 2),
                                   "all": [round(t, 2) for t in times]}
+    if a.profile:
+        llm.start_profile()
+        llm.generate([prompt(lens[-1])], sp, use_tqdm=False)
+        llm.stop_profile()
+        res["profile"] = summarize_traces(a.profile)
     with open(a.out, "w") as f:
         json.dump(res, f)
     print("RESULT", json.dumps(res))
+
+
+def summarize_traces(path, top=30):
+    """Per trace file (one per worker): GPU microseconds per kernel name (the
+    ``top`` largest), total kernel/memcpy time, the span from the first to
+    the last GPU event, and host-side synchronizations."""
+    out = {}
+    for fn in sorted(glob.glob(f"{path}/**/*.json*", recursive=True)):
+        opener = gzip.open if fn.endswith(".gz") else open
+        with opener(fn, "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        per, cpu = defaultdict(float), defaultdict(float)
+        gpu, syncs = [], defaultdict(lambda: [0, 0.0])
+        for e in events:
+            cat, dur = e.get("cat", ""), float(e.get("dur", 0) or 0)
+            if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+                per[e.get("name", "?")[:120]] += dur
+                gpu.append((float(e["ts"]), float(e["ts"]) + dur))
+            elif cat in ("cpu_op", "user_annotation", "python_function"):
+                cpu[e.get("name", "?")[:120]] += dur
+            elif cat == "cuda_runtime" and ("Synchronize" in e.get("name", "")
+                                            or e.get("name") == "cudaMemcpyAsync"):
+                syncs[e["name"]][0] += 1
+                syncs[e["name"]][1] += dur
+        busy = sum(b - a for a, b in gpu)
+        span = (max(b for _, b in gpu) - min(a for a, _ in gpu)) if gpu else 0.0
+        out[os.path.relpath(fn, path)] = {
+            "gpu_busy_us": round(busy, 1), "gpu_span_us": round(span, 1),
+            "kernels_us": {k: round(v, 1) for k, v in
+                           sorted(per.items(), key=lambda kv: -kv[1])[:top]},
+            "cpu_ops_us": {k: round(v, 1) for k, v in
+                           sorted(cpu.items(), key=lambda kv: -kv[1])[:top]},
+            "host_syncs": {k: [n, round(t, 1)] for k, (n, t) in syncs.items()}}
+    return out
 
 
 if __name__ == "__main__":

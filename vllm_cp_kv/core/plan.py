@@ -27,6 +27,8 @@ import torch
 from .ownership import CPShardSpec
 
 _epochs = itertools.count()
+# (owner, physical block) sort key: owner * stride + block; ids are int32
+_KEY_STRIDE = 1 << 32
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,48 @@ class MaterializationPlan:
         return blocks.long() * bs + positions.long() % bs
 
 
+class _PinnedRing:
+    """Uploads small host index tensors without waiting for the GPU.
+
+    A copy from pageable memory makes the host wait until the stream has
+    run everything queued before it; from pinned memory it is queued like
+    a kernel. Buffers are reused round-robin, each after its last upload
+    has run (an event, normally long complete).
+    """
+
+    def __init__(self, device: torch.device, slots: int = 8):
+        self.device, self.i = device, 0
+        self.buffers = [torch.empty(0, dtype=torch.int64) for _ in range(slots)]
+        self.events: list = [None] * slots
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        self.i = i = (self.i + 1) % len(self.buffers)
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        if self.buffers[i].numel() < host.numel():
+            self.buffers[i] = torch.empty(max(host.numel(), 1024), dtype=torch.int64,
+                                          pin_memory=True)
+        staged = self.buffers[i][: host.numel()].view(host.shape)
+        staged.copy_(host)
+        out = staged.to(self.device, non_blocking=True)
+        self.events[i] = torch.cuda.Event()
+        self.events[i].record(torch.cuda.current_stream(self.device))
+        return out
+
+
+_RINGS: dict[torch.device, _PinnedRing] = {}
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (int64) on ``device``; on CUDA without a host wait."""
+    if device.type != "cuda":
+        return host.to(device)
+    ring = _RINGS.get(device)
+    if ring is None:
+        ring = _RINGS[device] = _PinnedRing(device)
+    return ring.upload(host.to(torch.int64))
+
+
 def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
                          seq_lens: torch.Tensor,
                          pad_block_id: int = 0,
@@ -89,43 +133,64 @@ def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
         block_table: ``[R, C]`` int, virtual block table shared by all ranks
             (column ``c`` holds logical blocks ``c*N .. c*N+N-1``).
         seq_lens: ``[R]`` int, tokens whose KV each request reads this step
-            (context plus the tokens computed in this step).
+            (context plus the tokens computed in this step). Pass them on
+            the host: every shape of the plan follows from them there, so
+            that planning on a GPU waits for it once (see below).
         pad_block_id: a valid local block id used to pad short rank lists.
         min_columns: least width of ``full_block_table`` (kernels that size
             their index from a request's full length need it).
     Returns:
         The frozen plan. Each (owner, physical block) pair read by the batch
         appears once, even when several requests share it.
+
+    On a GPU the plan is built with fixed shapes from the host lengths; the
+    only device-to-host read is the per-rank count of distinct blocks (the
+    collective's size), together with the negative-id check: one
+    synchronization per batch, whatever its size.
     """
     device = block_table.device
     n, bs = spec.size, spec.block_size
-    seq_lens = seq_lens.to(device=device, dtype=torch.int64)
-    nblk = (seq_lens + bs - 1) // bs
+    lens = seq_lens.to("cpu", torch.int64)
+    nblk = (lens + bs - 1) // bs
     num_reqs = block_table.shape[0]
     max_nb = int(nblk.max()) if num_reqs else 0
     if max_nb > block_table.shape[1] * n:
         raise ValueError(
             f"a request reads {max_nb} logical blocks but the block table has "
             f"only {block_table.shape[1]} columns of {n} blocks each.")
-    j = torch.arange(max_nb, device=device)
-    valid = j[None, :] < nblk[:, None]  # [R, max_nb]
-    owner = spec.owner_of(j).expand(num_reqs, max_nb)
-    phys = block_table[:, spec.table_index(j)].to(torch.int64)  # [R, max_nb]
-    if valid.any() and int(phys[valid].min()) < 0:
+    width = max(max_nb, min_columns, 1)
+    total = int(nblk.sum())
+    full = torch.zeros((num_reqs, width), dtype=torch.int32, device=device)
+    if total == 0:
+        send = torch.full((n, 1), pad_block_id, dtype=torch.int64, device=device)
+        return MaterializationPlan(spec=spec, send_block_ids=send,
+                                   num_send_blocks=torch.zeros(n, dtype=torch.int64),
+                                   full_block_table=full, num_logical_blocks=nblk)
+    # every (request, logical block) the batch reads, request-major (host)
+    req = torch.repeat_interleave(torch.arange(num_reqs), nblk)
+    j = torch.arange(total) - torch.repeat_interleave(torch.cumsum(nblk, 0) - nblk, nblk)
+    req, j = to_device(torch.stack([req, j]), device)
+    owner = spec.owner_of(j)
+    phys = block_table[req, spec.table_index(j)].to(torch.int64)
+    # distinct (owner, physical block) pairs, sorted: slot = rank within owner
+    keys, order = torch.sort(owner * _KEY_STRIDE + phys)
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = keys[1:] != keys[:-1]
+    unique_id = torch.cumsum(first, 0) - 1
+    k_owner, k_phys = owner[order], phys[order]
+    counts = torch.zeros(n, dtype=torch.int64, device=device).index_add_(
+        0, k_owner, first.to(torch.int64))
+    slot = unique_id - (torch.cumsum(counts, 0) - counts)[k_owner]
+    # the one device-to-host read: the collective's size and the id check
+    per_rank, min_phys = (int(v) for v in torch.stack([counts.max(), phys.min()]).cpu())
+    if min_phys < 0:
         raise ValueError("block table holds a negative block id for a block "
                          "the batch reads.")
-    stride = int(phys.max()) + 1 if phys.numel() else 1
-    keys = owner[valid] * stride + phys[valid]
-    uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
-    u_owner, u_phys = uniq // stride, uniq % stride
-    counts = torch.bincount(u_owner, minlength=n)
-    per_rank = max(int(counts.max()) if uniq.numel() else 0, 1)
-    starts = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(uniq.numel(), device=device) - starts[u_owner]
     send = torch.full((n, per_rank), pad_block_id, dtype=torch.int64, device=device)
-    send[u_owner, slot] = u_phys
-    full = torch.zeros((num_reqs, max(max_nb, min_columns, 1)), dtype=torch.int32, device=device)
-    full[:, :max_nb][valid] = (u_owner * per_rank + slot)[inverse].to(torch.int32)
+    send[k_owner, slot] = k_phys  # duplicates write the same id
+    index = torch.empty_like(slot)
+    index[order] = k_owner * per_rank + slot
+    full[req, j] = index.to(torch.int32)
     return MaterializationPlan(spec=spec, send_block_ids=send,
                                num_send_blocks=counts, full_block_table=full,
                                num_logical_blocks=nblk)
@@ -173,11 +238,10 @@ def plan_split_requests(spec: CPShardSpec, block_table: torch.Tensor,
     if unknown:
         raise ValueError(f"local rows of requests {unknown} are not in the global batch.")
     device = block_table.device
-    rows = torch.tensor([first[k] for k in keys], dtype=torch.long, device=device)
+    rows = to_device(torch.tensor([first[k] for k in keys]), device)
+    local = to_device(torch.tensor([position[k] for k in row_keys]), device)
     table = block_table[rows]
     plan = plan_materialization(spec, table, seq_lens, min_columns=min_columns)
-    local = torch.tensor([position[k] for k in row_keys], dtype=torch.long,
-                         device=plan.full_block_table.device)
     return plan, plan.full_block_table[local], table
 
 

@@ -60,6 +60,13 @@ RULE = "cyclic"
 # the logical positions (negative control: the output must change).
 TEST_HOOKS_ENV = "VLLM_CP_KV_TEST_HOOKS"
 SIDE_CHANNEL_IDLE_S = 60.0  # a side-channel conversation ends after this silence
+# While transfers are pending and nothing else runs, vLLM's engine polls the
+# connector in a loop of empty steps (no forward). On such a step the worker
+# waits up to this long for a transfer to finish instead of returning at once:
+# the polling of the engine and of every worker otherwise takes the CPU from
+# the transfer threads (on a 2-core machine, receives of a few dozen tokens
+# took 1-18 s and a side-channel handshake timed out after 30 s).
+IDLE_STEP_WAIT_S = 0.005
 PARAM_KEYS = ("remote_host", "remote_port", "remote_request_id", "remote_block_ids",
               "remote_num_tokens", "shard_size", "block_size")
 
@@ -141,6 +148,9 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        self._receiving = 0  # receive threads running (consumer)
+        self._transfer_event = threading.Event()  # a transfer finished
+        self._idle_step = False  # this step runs no forward
         self.stats: dict[str, dict] = {}
 
     # ==============================
@@ -256,7 +266,9 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._queued_recv.update(connector_metadata.to_recv)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        pass  # transfers run in background threads (see get_transfer_results)
+        # transfers run in background threads (see get_transfer_results);
+        # vLLM's connector-only steps bind no attention metadata
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass
@@ -269,9 +281,13 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         for req_id, (local_ids, params, error) in self._queued_recv.items():
+            with self._lock:
+                self._receiving += 1
             threading.Thread(target=self._receive, args=(req_id, local_ids, params, error),
                              daemon=True).start()
         self._queued_recv = {}
+        if self._idle_step:
+            self._wait_for_transfer_event()
         now = time.monotonic()
         with self._lock:
             for req_id, (_, _, expiry) in list(self._sending.items()):
@@ -287,6 +303,16 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
                 failed_recving=self._failed_recving)
             self._done_sending, self._done_recving, self._failed_recving = set(), set(), set()
         return results
+
+    def _wait_for_transfer_event(self) -> None:
+        """On a step without forward: give pending transfers the CPU for up
+        to ``IDLE_STEP_WAIT_S``, returning as soon as one finishes."""
+        with self._lock:
+            nothing_new = not (self._done_sending or self._done_recving)
+            pending = self._receiving > 0 or bool(self._sending)
+        if nothing_new and pending:
+            self._transfer_event.wait(IDLE_STEP_WAIT_S)
+        self._transfer_event.clear()
 
     # ---- prefill: side channel -------------------------------------------
     def _serve(self, listener: Listener) -> None:
@@ -354,6 +380,7 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
                     self._readers_done.pop(req_id, None)
                     del self._sending[req_id]
                     self._done_sending.add(req_id)
+                    self._transfer_event.set()
                 else:
                     self._readers_done[req_id] = done
                 return {"ok": True}
@@ -435,6 +462,8 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
             for conn in conns:
                 conn.close()
         with self._lock:
+            self._receiving -= 1
             self._done_recving.add(req_id)
             if failed:
                 self._failed_recving.add(req_id)
+        self._transfer_event.set()
