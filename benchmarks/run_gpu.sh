@@ -10,3 +10,4 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 python3 benchmarks/gpu_last_token.py "$OUT" 2>&1 | tee "$OUT/last_token.log"
 python3 benchmarks/gpu_materialize.py "$OUT" 2>&1 | tee "$OUT/materialize.log"
+python3 benchmarks/gpu_plan_check.py "$OUT" 2>&1 | tee "$OUT/plan_check.log"

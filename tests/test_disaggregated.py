@@ -30,8 +30,8 @@ from conftest import CPU_ENV, ROOT, needs_vllm, run_generate
 pytestmark = [needs_vllm, pytest.mark.skipif(
     os.environ.get("VLLM_CP_KV_RUN_PD_E2E") != "1",
     reason="P/D HTTP end-to-end is opt-in (VLLM_CP_KV_RUN_PD_E2E=1): on a 2-core CPU "
-           "machine three vLLM servers (three TP ranks) and a proxy take about 10 "
-           "minutes, and a prefill worker hang is still open, see docs/disaggregated.md")]
+           "machine three vLLM servers (three TP ranks) and a proxy take about 5 "
+           "minutes for both transports; see docs/disaggregated.md")]
 EXAMPLES = os.path.join(ROOT, "examples", "disaggregated")
 MAX_TOKENS = 32
 DECODE_TP = 1
