@@ -90,7 +90,7 @@ class Servers:
                     {**env, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
         self._start("decode", ["bash", f"{EXAMPLES}/start_decode.sh", model, str(self.dp),
                                transport],
-                    {**env, "VLLM_CPU_OMP_THREADS_BIND": "1" if DECODE_TP == 1 else "0|1",
+                    {**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind" if DECODE_TP == 1 else "0|1",
                      "TP": str(DECODE_TP),
                      "VLLM_CP_KV_TEST_HOOKS": "1"})
         self._start("proxy", [sys.executable, f"{EXAMPLES}/proxy.py", "--prefill",

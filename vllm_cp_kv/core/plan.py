@@ -164,7 +164,8 @@ def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
     if total == 0:
         send = torch.full((n, 1), pad_block_id, dtype=torch.int64, device=device)
         return MaterializationPlan(spec=spec, send_block_ids=send,
-                                   num_send_blocks=torch.zeros(n, dtype=torch.int64),
+                                   num_send_blocks=torch.zeros(n, dtype=torch.int64,
+                                                               device=device),
                                    full_block_table=full, num_logical_blocks=nblk)
     # every (request, logical block) the batch reads, request-major (host)
     req = torch.repeat_interleave(torch.arange(num_reqs), nblk)

@@ -60,6 +60,9 @@ RULE = "cyclic"
 # the logical positions (negative control: the output must change).
 TEST_HOOKS_ENV = "VLLM_CP_KV_TEST_HOOKS"
 SIDE_CHANNEL_IDLE_S = 60.0  # a side-channel conversation ends after this silence
+# ... unless it holds a claim (a decode rank fetched a manifest and may still be
+# reading those blocks): then only after this long, or when the decode closes
+CLAIM_HOLD_MAX_S = 600.0
 # While transfers are pending and nothing else runs, vLLM's engine polls the
 # connector in a loop of empty steps (no forward). On such a step the worker
 # waits up to this long for a transfer to finish instead of returning at once:
@@ -143,6 +146,9 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._sending: dict[str, tuple[list[int], int, float]] = {}
         self._queued_recv: dict[str, tuple[list[int], dict, str | None]] = {}
         self._readers_done: dict[str, int] = {}
+        # prefill: open conversations that fetched a request's manifest; its
+        # blocks are not freed on expiry while a reader may still read them
+        self._claims: dict[str, int] = {}
         self._active_readers = 0  # open side-channel conversations (producer)
         self._readers_present = threading.Event()
         self._done_sending: set[str] = set()
@@ -291,7 +297,7 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         now = time.monotonic()
         with self._lock:
             for req_id, (_, _, expiry) in list(self._sending.items()):
-                if now > expiry:
+                if now > expiry and not self._claims.get(req_id):
                     logger.warning("cp_kv connector: request %s expired after %g s "
                                    "without a transfer; freeing its blocks", req_id,
                                    self.expiry_s)
@@ -328,21 +334,38 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         (from its first message to the end of the conversation) it counts as
         an active reader, for which one shared loop drives the transport's
         progress (one loop however many readers: per-conversation polling
-        loops starved small machines' cores)."""
+        loops starved small machines' cores).
+
+        A request whose manifest this conversation fetched stays *claimed*
+        until the decode says done or the conversation ends (the decode gave
+        up, closed, or died): its blocks are not freed on expiry in between,
+        so a slow read never sees them reused."""
         idle_since = time.monotonic()
+        claimed: set[str] = set()
         self._reader_active(+1)
         with conn:
             try:
-                while time.monotonic() - idle_since < SIDE_CHANNEL_IDLE_S:
+                while time.monotonic() - idle_since < (
+                        CLAIM_HOLD_MAX_S if claimed else SIDE_CHANNEL_IDLE_S):
                     if not conn.poll(0.05):
                         continue
                     op, arg = conn.recv()
-                    conn.send(self._answer(op, arg))
+                    conn.send(self._answer(op, arg, claimed))
                     idle_since = time.monotonic()
             except (EOFError, OSError):
                 pass
             finally:
+                with self._lock:
+                    for req_id in claimed:
+                        self._release_claim(req_id)
                 self._reader_active(-1)
+
+    def _release_claim(self, req_id: str) -> None:
+        left = self._claims.get(req_id, 0) - 1
+        if left > 0:
+            self._claims[req_id] = left
+        else:
+            self._claims.pop(req_id, None)
 
     def _reader_active(self, delta: int) -> None:
         with self._lock:
@@ -359,7 +382,7 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._transport.progress()
             time.sleep(0.001)
 
-    def _answer(self, op: str, arg: Any):
+    def _answer(self, op: str, arg: Any, claimed: set[str]):
         if op == "hello":
             return {"ok": True, "handshake": self._handshake}
         with self._lock:
@@ -368,11 +391,17 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
                 if entry is None:
                     return {"ok": False, "error": f"prefill rank {self.rank} has no "
                             f"blocks for request {arg!r} (unknown or expired)"}
+                if arg not in claimed:
+                    claimed.add(arg)
+                    self._claims[arg] = self._claims.get(arg, 0) + 1
                 table, num_tokens, _ = entry
                 return {"ok": True, "manifest": owned_manifest(
                     self.rank, self.shard_size, self.block_size, table, num_tokens)}
             if op == "done":  # arg: (request id, decode TP size)
                 req_id, readers = arg
+                if req_id in claimed:
+                    claimed.discard(req_id)
+                    self._release_claim(req_id)
                 if entry is None:
                     return {"ok": True}
                 done = self._readers_done.get(req_id, 0) + 1

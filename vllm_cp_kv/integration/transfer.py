@@ -8,14 +8,19 @@ The connector only ever asks for batched one-sided READs of
 
 from __future__ import annotations
 
+import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..core.manifest import merge_runs, read_descriptors
+
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
+READ_ATTEMPTS = 2  # Mooncake: see MooncakeTransport.read
+MOONCAKE_ABORT_GRACE_S = 40.0  # > Mooncake's own 30 s limit on a stalled read
 
 
 class TransferError(RuntimeError):
@@ -113,8 +118,29 @@ class MooncakeTransport(Transport):
         return {"session": self.session}
 
     def read(self, peer_meta, reads, timeout_s):
+        """One batched READ; retried once when Mooncake reports a failure.
+
+        Why the retry: over TCP, Mooncake now and then stalls one READ and
+        drops it after its own 30 s ("no transfer progress within 30s;
+        dropping connection"), seen once in about 50 HTTP P/D requests here;
+        later reads from the same peer went through. A dead peer fails both
+        attempts at once (connection refused), a stalled one after
+        ``READ_ATTEMPTS * timeout_s`` at most.
+        """
         if not reads:
             return
+        deadline = time.monotonic() + READ_ATTEMPTS * timeout_s
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            result = self._read_once(peer_meta, reads, deadline - time.monotonic())
+            if result == 0:
+                return
+            if attempt < READ_ATTEMPTS:
+                logger.warning("cp_kv: Mooncake read of %d ranges from %s failed (%r); "
+                               "retrying", len(reads), peer_meta["session"], result)
+        raise TransferError(f"Mooncake read failed ({result!r}; peer gone?)")
+
+    def _read_once(self, peer_meta, reads, wait_s: float):
+        """Mooncake's return code (0: done) or the exception it raised."""
         result: list = []
 
         def run():
@@ -123,16 +149,20 @@ class MooncakeTransport(Transport):
                     result.append(self.engine.batch_transfer_sync_read(
                         peer_meta["session"], [la for _, la, _ in reads],
                         [ra for ra, _, _ in reads], [n for _, _, n in reads]))
-            except Exception as e:  # reported below
+            except Exception as e:  # reported by the caller
                 result.append(e)
 
         worker = threading.Thread(target=run, daemon=True)
         worker.start()
-        worker.join(timeout_s)
+        worker.join(max(wait_s, 0.0))
         if worker.is_alive():
-            raise TransferError(f"Mooncake read did not finish in {timeout_s:g} s")
-        if isinstance(result[0], Exception) or result[0] != 0:
-            raise TransferError(f"Mooncake read failed ({result[0]!r}; peer gone?)")
+            # Mooncake gives up on a stalled read by itself (30 s): wait for
+            # that, so that no read still lands in blocks the decode is about
+            # to free and reuse
+            worker.join(MOONCAKE_ABORT_GRACE_S)
+            raise TransferError(f"Mooncake read did not finish in {wait_s:.3g} s"
+                                + (" and was not aborted" if worker.is_alive() else ""))
+        return result[0]
 
 
 TRANSPORTS = {"nixl": NixlTransport, "mooncake": MooncakeTransport}
