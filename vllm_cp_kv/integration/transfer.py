@@ -122,10 +122,12 @@ class MooncakeTransport(Transport):
 
         Why the retry: over TCP, Mooncake now and then stalls one READ and
         drops it after its own 30 s ("no transfer progress within 30s;
-        dropping connection"), seen once in about 50 HTTP P/D requests here;
-        later reads from the same peer went through. A dead peer fails both
-        attempts at once (connection refused), a stalled one after
-        ``READ_ATTEMPTS * timeout_s`` at most.
+        dropping connection"); here that happened when the decode worker
+        shared a core with the prefill rank it read from, and a retry
+        sometimes went through. A dead peer fails both attempts at once
+        (connection refused). A stalled read gives up after
+        ``READ_ATTEMPTS * timeout_s``, plus up to ``MOONCAKE_ABORT_GRACE_S``
+        when the last attempt is still in Mooncake's hands (see _read_once).
         """
         if not reads:
             return
