@@ -48,8 +48,8 @@ from common import write_json  # noqa: E402  (also puts the repo root on sys.pat
 
 from vllm_cp_kv.core.manifest import (check_complete, owned_manifest,  # noqa: E402
                                       validate_manifest)
-from vllm_cp_kv.integration.transfer import (Transport, make_transport,  # noqa: E402
-                                             read_owned_blocks)
+from vllm_cp_kv.integration.connector.transfer import (  # noqa: E402
+    Transport, make_transport, read_owned_blocks)
 from vllm_cp_kv.tools.loopback import (owner_processes, serve_until_done,  # noqa: E402
                                        transport_available)
 

@@ -5,9 +5,18 @@ server (TP=2, cp_kv), decode server (not sharded) and proxy, all started with
 
 Reference: a single unsharded instance (offline LLM, same TP) on the same
 prompts: identical greedy tokens. The decode log must report every prompt
-token as received from the prefill ranks. Negative control: the same
-transfer with the logical positions dropped (a decode-side test hook) must
-change the output. Fault tests (NIXL): malformed and out-of-range params, a
+token as received from the prefill ranks.
+
+In the default suite (one NIXL server trio, a few minutes on 2 cores): the
+identity test, and a decode pointed by a client's ``kv_transfer_params`` at a
+fake prefill peer that answers with a pickle (nothing runs, the request fails
+naming the reason in the decode's log, the decode serves on) or at a host its
+``allowed_prefill_hosts`` does not list.
+
+Opt-in (``VLLM_CP_KV_RUN_PD_E2E=1``; adds the Mooncake trio, which runs with
+a shared side-channel secret): the negative control (the same transfer with
+the logical positions dropped, a decode-side test hook, must change the
+output); malformed params (HTTP 400 with the reason), a wrong token, a
 shard-size mismatch, and the prefill server killed mid-transfer: each gives
 an error to the client, leaks no block (KV usage back to zero on both
 servers) and the decode server answers the next request.
@@ -15,9 +24,11 @@ servers) and the decode server answers the next request.
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -26,12 +37,14 @@ import pytest
 
 from builders import free_port
 from conftest import CPU_ENV, ROOT, needs_vllm, run_generate
+from pd_support import FakeRouter, pickled
 
-pytestmark = [needs_vllm, pytest.mark.skipif(
-    os.environ.get("VLLM_CP_KV_RUN_PD_E2E") != "1",
-    reason="P/D HTTP end-to-end is opt-in (VLLM_CP_KV_RUN_PD_E2E=1): on a 2-core CPU "
-           "machine three vLLM servers (three TP ranks) and a proxy take about 5 "
-           "minutes for both transports; see docs/disaggregated.md")]
+E2E = os.environ.get("VLLM_CP_KV_RUN_PD_E2E") == "1"
+pytestmark = needs_vllm
+opt_in = pytest.mark.skipif(
+    not E2E, reason="opt-in (VLLM_CP_KV_RUN_PD_E2E=1): the Mooncake trio and the fault "
+                    "tests take about 5 more minutes on 2 cores; see docs/disaggregated.md")
+TRANSPORTS = ["nixl", "mooncake"] if E2E else ["nixl"]
 EXAMPLES = os.path.join(ROOT, "examples", "disaggregated")
 MAX_TOKENS = 32
 DECODE_TP = 1
@@ -43,11 +56,13 @@ EXPIRY_S = 60
 # which is wrong for MLA, on every server and in the reference.
 EXACT_ARGS = ('--dtype float32 --attention-backend CPU_MLA '
               '--compilation-config {"custom_ops":["all","-rotary_embedding"]}')
+# the Mooncake trio runs with a shared side-channel secret (HMAC), NIXL without
+SECRET = {"mooncake": secrets.token_urlsafe(24)}
 
 
-def post(url, body, timeout=300):
+def post(url, body, timeout=300, headers=None):
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
+                                 headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -80,18 +95,23 @@ class Servers:
         self.model, self.transport, self.dir = model, transport, workdir
         self.pp, self.dp, self.xp = free_port(), free_port(), free_port()
         self.side = free_port(consecutive=2)
+        self.fake = free_port(consecutive=2)  # where a test's fake prefill peer listens
         bin_dir = os.path.dirname(sys.executable)
         env = {**os.environ, **CPU_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}",
                "EXPIRY_S": str(EXPIRY_S), "EXTRA_ARGS": EXACT_ARGS, "BLOCK_SIZE": "16"}
+        env.pop("VLLM_CP_KV_SIDE_CHANNEL_SECRET", None)
+        if transport in SECRET:
+            env["VLLM_CP_KV_SIDE_CHANNEL_SECRET"] = SECRET[transport]
         self.procs = {}
         self.logs = {}
         self._start("prefill", ["bash", f"{EXAMPLES}/start_prefill.sh", model, str(self.pp),
                                 transport, str(self.side)],
                     {**env, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+        allowed = [f"127.0.0.1:{self.side}", f"127.0.0.1:{self.fake}"]
         self._start("decode", ["bash", f"{EXAMPLES}/start_decode.sh", model, str(self.dp),
                                transport],
                     {**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind" if DECODE_TP == 1 else "0|1",
-                     "TP": str(DECODE_TP),
+                     "TP": str(DECODE_TP), "ALLOWED_PREFILL_HOSTS": json.dumps(allowed),
                      "VLLM_CP_KV_TEST_HOOKS": "1"})
         self._start("proxy", [sys.executable, f"{EXAMPLES}/proxy.py", "--prefill",
                               f"http://127.0.0.1:{self.pp}", "--decode",
@@ -120,10 +140,17 @@ class Servers:
         for name in list(self.procs):
             self.kill(name)
 
-    def completion(self, port, prompt, **extra):
+    def completion(self, port, prompt, request_id=None, **extra):
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
                 "temperature": 0, "return_token_ids": True, **extra}
-        return post(f"http://127.0.0.1:{port}/v1/completions", body)
+        headers = {"X-Request-Id": request_id} if request_id else None
+        return post(f"http://127.0.0.1:{port}/v1/completions", body, headers=headers)
+
+    def num_tokens(self, prompt):
+        status, out = post(f"http://127.0.0.1:{self.dp}/tokenize",
+                           {"model": self.model, "prompt": prompt})
+        assert status == 200, out
+        return out["count"]
 
     def prefill_params(self, prompt):
         status, out = self.completion(self.pp, prompt, max_tokens=1,
@@ -139,7 +166,7 @@ def reference(tiny_dsv2, tmp_path_factory):
                         "--dtype", "float32", "--backend", "CPU_MLA", "--torch-rope")
 
 
-@pytest.fixture(scope="module", params=["nixl", "mooncake"])
+@pytest.fixture(scope="module", params=TRANSPORTS)
 def servers(request, tiny_dsv2, tmp_path_factory):
     s = Servers(tiny_dsv2, request.param, str(tmp_path_factory.mktemp(f"pd_{request.param}")))
     yield s
@@ -147,7 +174,7 @@ def servers(request, tiny_dsv2, tmp_path_factory):
 
 
 def test_sharded_prefill_to_unsharded_decode_matches_single_instance(servers, reference):
-    from vllm_cp_kv.tools.generate import prompts
+    from vllm_cp_kv.tools.tiny_model import prompts
 
     texts = prompts(len(reference["tokens"]))
     got = []
@@ -170,9 +197,64 @@ def test_sharded_prefill_to_unsharded_decode_matches_single_instance(servers, re
     wait_until(lambda: kv_usage(servers.pp) == 0.0, 60, "prefill KV usage 0")
 
 
+def decode_log_has(servers, phrase, timeout=30):
+    wait_until(lambda: phrase in servers.log("decode"), timeout, f"'{phrase}' in the decode log")
+
+
+def decode_serves_on(servers):
+    wait_until(lambda: kv_usage(servers.dp) == 0.0, 60, "decode KV usage 0 after a failure")
+    status, out = servers.completion(servers.dp, "The next request works.")
+    assert status == 200 and out["choices"][0]["token_ids"], out
+
+
+def test_a_fake_prefill_peer_runs_nothing_on_the_decode(servers, tmp_path):
+    """A client points the decode (through kv_transfer_params) at a peer of
+    its choice that answers with a pickle whose unpickling would create a
+    marker file; the previous side channel (multiprocessing.connection) ran
+    it. Then at a host the decode's allow-list does not name."""
+    text = "A client may name any host in the params it sends. " * 3
+    # what a prefill would answer, made up (no prefill blocks wait for it)
+    params = {"do_remote_prefill": True, "do_remote_decode": False,
+              "remote_request_id": "cmpl-made-up-0-0000", "remote_host": "127.0.0.1",
+              "remote_port": servers.side, "remote_num_tokens": servers.num_tokens(text),
+              "shard_size": 2, "block_size": 16, "ownership_rule": "cyclic",
+              "transport": servers.transport, "transfer_token": secrets.token_urlsafe(32)}
+    marker = tmp_path / "ran-on-decode"
+    fakes = [FakeRouter(servers.fake + r, [pickled(str(marker)), b""]) for r in range(2)]
+    request_id = f"fake-peer-{servers.transport}"
+    try:
+        status, out = servers.completion(servers.dp, text, request_id=request_id,
+                                         kv_transfer_params=dict(params,
+                                                                 remote_port=servers.fake))
+        assert status != 200, out
+        # the reason, under the request's name, in the decode's log
+        reason = ("failed authentication" if servers.transport in SECRET else "malformed reply")
+        decode_log_has(servers, f"request cmpl-{request_id}-0")
+        line = next(l for l in servers.log("decode").splitlines()
+                    if f"cmpl-{request_id}-0" in l and "failed to receive its KV" in l)
+        assert reason in line, line
+        assert fakes[0].received >= 1  # it did talk to the fake peer
+    finally:
+        for f in fakes:
+            f.close()
+    assert not marker.exists()
+    decode_serves_on(servers)
+    # a prefill host the allow-list does not name: refused before any connection
+    status, out = servers.completion(servers.dp, text, request_id=f"{request_id}-off-list",
+                                     kv_transfer_params=dict(params, remote_host="192.0.2.1"))
+    assert status != 200, out
+    phrase = "allowed_prefill_hosts does not list"
+    if status == 400:  # the frontend check (patch_input_processor) answered
+        assert phrase in out["error"]["message"], out
+    else:  # without it, the decode's scheduler refuses the load
+        decode_log_has(servers, phrase)
+    decode_serves_on(servers)
+
+
+@opt_in
 def test_dropping_logical_positions_changes_the_output(servers, reference):
     """Negative control: the receiver without the position mapping."""
-    from vllm_cp_kv.tools.generate import prompts
+    from vllm_cp_kv.tools.tiny_model import prompts
 
     # MLA attention over cached keys does not depend on where a *full* block
     # sits (its rope position is in k_pe; the sum over keys is order-free), so
@@ -192,49 +274,75 @@ def test_dropping_logical_positions_changes_the_output(servers, reference):
     assert out["choices"][0]["token_ids"] != reference["tokens"][i]
 
 
-def _expect_error(servers, text, params, phrase):
+def _expect_failure(servers, text, params, phrase):
+    """Refused by the decode's connector at run time: HTTP 500, the reason
+    in the decode log."""
     status, out = servers.completion(servers.dp, text, kv_transfer_params=params)
     assert status != 200, out
-    wait_until(lambda: phrase in servers.log("decode"), 30, f"'{phrase}' in the decode log")
-    wait_until(lambda: kv_usage(servers.dp) == 0.0, 60, "decode KV usage 0 after a failure")
-    status, out = servers.completion(servers.dp, "The next request works.")
-    assert status == 200 and out["choices"][0]["token_ids"], out
+    decode_log_has(servers, phrase)
+    decode_serves_on(servers)
 
 
+def _expect_refused(servers, text, params, phrase):
+    """Refused by the frontend: HTTP 400 with the reason (needs the plugin's
+    patch_input_processor)."""
+    status, out = servers.completion(servers.dp, text, kv_transfer_params=params)
+    assert status == 400 and phrase in out["error"]["message"], (status, out)
+    decode_serves_on(servers)
+
+
+@opt_in
 def test_malformed_out_of_range_and_mismatched_params_fail_cleanly(servers):
     if servers.transport != "nixl":
         pytest.skip("fault tests run on NIXL only (same connector code path)")
     text = "Each logical block lives on exactly one rank of the shard group. " * 4
     good = servers.prefill_params(text)
-    malformed = {k: v for k, v in good.items() if k != "remote_block_ids"}
-    _expect_error(servers, text, malformed, "malformed kv_transfer_params")
-    _expect_error(servers, text, dict(good, remote_block_ids=[-5]), "out-of-range kv_transfer_params")
-    _expect_error(servers, text, dict(good, shard_size=4), "handshake mismatch")
+    # found at run time (the prefill's blocks must still be there: first)
+    _expect_failure(servers, text, dict(good, shard_size=4), "handshake mismatch")
+    _expect_failure(servers, text + " More.", good, "tokens but the prompt has")
+    # refused by the frontend
+    missing = {k: v for k, v in good.items() if k != "transfer_token"}
+    _expect_refused(servers, text, missing, "missing required field `transfer_token`")
+    _expect_refused(servers, text, dict(good, remote_port=str(good["remote_port"])),
+                    "Expected `int`, got `str`")
+    _expect_refused(servers, text, dict(good, remote_block_ids=[10 ** 12]), "remote_block_ids")
     # the prefill side frees the unclaimed blocks after its expiry
     wait_until(lambda: kv_usage(servers.pp) == 0.0, EXPIRY_S + 90,
                "prefill KV usage 0 after expiry")
     assert f"expired after {EXPIRY_S} s" in servers.log("prefill")
 
 
+@opt_in
+def test_a_wrong_token_is_refused_and_the_owner_still_completes(servers):
+    if servers.transport != "nixl":
+        pytest.skip("fault tests run on NIXL only (same connector code path)")
+    text = "Only the holder of a request's transfer token may read its blocks. " * 3
+    params = servers.prefill_params(text)
+    stolen = dict(params, transfer_token=secrets.token_urlsafe(32))
+    status, out = servers.completion(servers.dp, text, kv_transfer_params=stolen)
+    assert status != 200, out
+    decode_log_has(servers, "no transfer for this request id and token")
+    # the refusals claimed and freed nothing: the owner's pull works
+    status, out = servers.completion(servers.dp, text, kv_transfer_params=params)
+    assert status == 200 and out["choices"][0]["token_ids"], out
+
+
+@opt_in
 def test_prefill_killed_mid_transfer(servers):
     if servers.transport != "nixl":
         pytest.skip("fault tests run on NIXL only (same connector code path)")
     text = "The lazy dog sleeps while the fox jumps. " * 10
     params = servers.prefill_params(text)
-    import threading
-
     result = {}
     t = threading.Thread(target=lambda: result.update(r=servers.completion(
-        servers.dp, text, kv_transfer_params=dict(params, cp_kv_test_pause_s=8))))
+        servers.dp, text, request_id="killed-mid-transfer",
+        kv_transfer_params=dict(params, cp_kv_test_pause_s=15))))
     t.start()
-    # rank 0's blocks are read, then the transfer pauses before rank 1's
-    wait_until(lambda: "cp_kv connector" in servers.log("decode") or True, 1, "")
-    time.sleep(4)
+    # the test hook logs when rank 0's blocks are read and the pull pauses
+    decode_log_has(servers, "test hook: request cmpl-killed-mid-transfer-0", timeout=120)
     servers.kill("prefill")
     t.join(timeout=200)
     status, out = result["r"]
     assert status != 200, out
-    assert "failed to receive its KV" in servers.log("decode")
-    wait_until(lambda: kv_usage(servers.dp) == 0.0, 60, "decode KV usage 0 after the kill")
-    status, out = servers.completion(servers.dp, "The decode server still answers.")
-    assert status == 200 and out["choices"][0]["token_ids"], out
+    decode_log_has(servers, "failed to receive its KV")
+    decode_serves_on(servers)

@@ -9,6 +9,7 @@ into fewer descriptors, and dropping the positions (negative control) must
 break the identity. The data path is the connector's: make_transport,
 owned_manifest / validate_manifest / check_complete, then
 read_owned_blocks (merge_runs, read_descriptors, Transport.read).
+A missing transport skips locally and fails under CI (``CI=true``).
 """
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from vllm_cp_kv.core.manifest import (check_complete, merge_runs, owned_manifest,
                                       validate_manifest, without_positions)
 from vllm_cp_kv.core.ownership import num_logical_blocks
+from pd_support import skip_or_fail
 from vllm_cp_kv.tools.loopback import owner_processes, serve_until_done, transport_available
 
 N, BS, D, LAYERS = 2, 16, 576, 2
@@ -47,7 +49,7 @@ def virtual_table():
 
 
 def prefill_rank(rank, transport, layout, to_recv, from_recv):
-    from vllm_cp_kv.integration.transfer import make_transport
+    from vllm_cp_kv.integration.connector.transfer import make_transport
 
     ref = reference_caches(layout)
     caches = empty_caches(layout)
@@ -63,7 +65,7 @@ def prefill_rank(rank, transport, layout, to_recv, from_recv):
 
 
 def receive(transport, layout, infos, ignore_positions=False):
-    from vllm_cp_kv.integration.transfer import make_transport, read_owned_blocks
+    from vllm_cp_kv.integration.connector.transfer import make_transport, read_owned_blocks
 
     n = num_logical_blocks(NUM_TOKENS, BS)
     local_ids = [5 + j for j in range(n)]  # the decode's own block table
@@ -94,7 +96,7 @@ def run_case(transport, layout="latent", ignore_positions=False):
 @pytest.mark.parametrize("transport", ["nixl", "mooncake"])
 def test_owned_blocks_rebuild_the_unsharded_layout(transport, layout):
     if not transport_available(transport):
-        pytest.skip(f"{transport} is not installed")
+        skip_or_fail(f"{transport} is not installed")
     got, descriptors = run_case(transport, layout)
     assert same_bytes(got, reference_caches(layout))
     n = num_logical_blocks(NUM_TOKENS, BS)
@@ -114,6 +116,6 @@ def test_contiguous_runs_merge():
 def test_dropping_positions_breaks_the_layout(transport):
     """Negative control: without the position mapping the cache is wrong."""
     if not transport_available(transport):
-        pytest.skip(f"{transport} is not installed")
+        skip_or_fail(f"{transport} is not installed")
     got, _ = run_case(transport, "latent+indexer", ignore_positions=True)
     assert not same_bytes(got, reference_caches("latent+indexer"))

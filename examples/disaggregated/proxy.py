@@ -3,13 +3,22 @@
 POST /v1/completions: the request goes to the prefill server with
 ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``; the
 ``kv_transfer_params`` it answers with (where the prefill ranks serve their
-owned blocks) go with the original request to the decode server, whose answer
-is returned. Errors of either side are passed through with their status.
+owned blocks, and the request's transfer token: whoever holds it can fetch
+that request's KV, so do not log it) go with the original request to the
+decode server, whose answer is returned. Errors of either side are passed
+through with their status.
+
+Both servers get the same ``X-Request-Id`` (the client's, or a new one), so
+that vLLM names the request ``cmpl-<id>-0-<suffix>`` on both. vLLM answers a
+failed KV transfer with HTTP 500 "Internal server error" only; the proxy then
+adds ``kv_transfer_hint``, where the reason is: the decode server's log line
+``cp_kv connector: request cmpl-<id>-0-... failed to receive its KV: ...``.
 
 Usage: python proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 """
 
 import argparse
+import uuid
 
 import httpx
 import uvicorn
@@ -31,8 +40,11 @@ async def completions(request: Request):
     prefill_body = dict(body, max_tokens=1, stream=False,
                         kv_transfer_params={"do_remote_decode": True})
     prefill_body.pop("max_completion_tokens", None)
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    headers = {"x-request-id": request_id}
     async with httpx.AsyncClient(timeout=ARGS.timeout) as client:
-        p = await client.post(f"{ARGS.prefill}/v1/completions", json=prefill_body)
+        p = await client.post(f"{ARGS.prefill}/v1/completions", json=prefill_body,
+                              headers=headers)
         if p.status_code != 200:
             return JSONResponse(p.json(), status_code=p.status_code)
         kv = p.json().get("kv_transfer_params")
@@ -40,8 +52,13 @@ async def completions(request: Request):
             return JSONResponse({"error": "prefill server returned no kv_transfer_params"},
                                 status_code=502)
         d = await client.post(f"{ARGS.decode}/v1/completions",
-                              json=dict(body, kv_transfer_params=kv))
-        return JSONResponse(d.json(), status_code=d.status_code)
+                              json=dict(body, kv_transfer_params=kv), headers=headers)
+        out = d.json()
+        if d.status_code >= 500 and isinstance(out, dict):
+            out["kv_transfer_hint"] = (
+                "if the KV transfer failed, the decode server's log says why: "
+                f"'cp_kv connector: request cmpl-{request_id}-0-... failed to receive its KV'")
+        return JSONResponse(out, status_code=d.status_code)
 
 
 def main():

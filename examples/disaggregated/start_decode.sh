@@ -2,7 +2,14 @@
 # Decode server: not sharded (TP from $TP, default 1); every rank pulls each
 # prefill rank's owned blocks into its own (replicated) latent cache.
 # Usage: start_decode.sh MODEL [PORT=8200] [TRANSPORT=nixl|mooncake]
+# Env: ALLOWED_PREFILL_HOSTS (a JSON list of "host" or "host:side_port", e.g.
+#      '["127.0.0.1:5700"]': the only prefill side channels a request's
+#      kv_transfer_params may name; unset: any, which lets every client point
+#      this server at a host of its choice), VLLM_CP_KV_SIDE_CHANNEL_SECRET
+#      (optional shared secret, the same as the prefill's), BLOCK_SIZE (32),
+#      EXTRA_ARGS (more vllm serve flags)
 MODEL=${1:?model}; PORT=${2:-8200}; TRANSPORT=${3:-nixl}
+EXTRA="{\"transport\": \"$TRANSPORT\"${ALLOWED_PREFILL_HOSTS:+, \"allowed_prefill_hosts\": $ALLOWED_PREFILL_HOSTS}}"
 exec vllm serve "$MODEL" --port "$PORT" --host 127.0.0.1 --tensor-parallel-size "${TP:-1}" \
   --max-model-len 1024 --max-num-seqs 8 --block-size "${BLOCK_SIZE:-32}" --enforce-eager ${EXTRA_ARGS:-} \
-  --kv-transfer-config "{\"kv_connector\": \"ShardedKVConnector\", \"kv_connector_module_path\": \"vllm_cp_kv.integration.connector\", \"kv_role\": \"kv_consumer\", \"kv_connector_extra_config\": {\"transport\": \"$TRANSPORT\"}}"
+  --kv-transfer-config "{\"kv_connector\": \"ShardedKVConnector\", \"kv_connector_module_path\": \"vllm_cp_kv.integration.connector\", \"kv_role\": \"kv_consumer\", \"kv_connector_extra_config\": $EXTRA}"

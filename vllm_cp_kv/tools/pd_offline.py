@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from .generate import prompts
+from .tiny_model import prompts
 
 NUM_PROMPTS, MAX_TOKENS = 8, 32
 

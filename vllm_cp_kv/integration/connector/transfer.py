@@ -13,10 +13,11 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
-from ..core.manifest import merge_runs, read_descriptors
+from ...core.manifest import merge_runs, read_descriptors
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
 READ_ATTEMPTS = 2  # Mooncake: see MooncakeTransport.read
@@ -27,6 +28,11 @@ class TransferError(RuntimeError):
     """A transfer failed or did not finish in time."""
 
 
+class ReadNotAborted(TransferError):
+    """A read gave up on, but still in the transport's hands: data may
+    still land, and the peer's blocks must stay claimed."""
+
+
 class Transport:
     name = "base"
 
@@ -35,9 +41,16 @@ class Transport:
         raise NotImplementedError
 
     def read(self, peer_meta: dict, reads: list[tuple[int, int, int]],
-             timeout_s: float) -> None:
-        """Blocking batched READ ``(remote_addr, local_addr, nbytes)``."""
+             timeout_s: float, start_by: float | None = None) -> None:
+        """Blocking batched READ ``(remote_addr, local_addr, nbytes)``.
+
+        ``start_by`` (monotonic): refuse to start the read after this (the
+        decode's claim on the blocks would end before the read could)."""
         raise NotImplementedError
+
+    def read_bound_s(self, timeout_s: float) -> float:
+        """The longest one ``read`` may take once started, data still landing."""
+        return timeout_s
 
     def progress(self) -> None:
         """Let the engine serve a peer's READ (no-op where it runs by itself)."""
@@ -70,11 +83,13 @@ class NixlTransport(Transport):
     def progress(self):
         self._agent_thread.submit(self.agent.get_new_notifs).result()
 
-    def read(self, peer_meta, reads, timeout_s):
+    def read(self, peer_meta, reads, timeout_s, start_by=None):
         if reads:
-            self._agent_thread.submit(self._read, peer_meta, reads, timeout_s).result()
+            self._agent_thread.submit(self._read, peer_meta, reads, timeout_s,
+                                      start_by).result()
 
-    def _read(self, peer_meta, reads, timeout_s):
+    def _read(self, peer_meta, reads, timeout_s, start_by):
+        _check_start(start_by)  # on the agent thread: after waiting for other reads
         name = peer_meta["agent_name"]
         if name not in self._peers:
             self._peers[name] = self.agent.add_remote_agent(peer_meta["agent_metadata"])
@@ -117,7 +132,10 @@ class MooncakeTransport(Transport):
                 raise TransferError(f"Mooncake register_memory failed (rc={rc})")
         return {"session": self.session}
 
-    def read(self, peer_meta, reads, timeout_s):
+    def read_bound_s(self, timeout_s):
+        return READ_ATTEMPTS * timeout_s + MOONCAKE_ABORT_GRACE_S
+
+    def read(self, peer_meta, reads, timeout_s, start_by=None):
         """One batched READ; retried once when Mooncake reports a failure.
 
         Why the retry: over TCP, Mooncake now and then stalls one READ and
@@ -133,21 +151,34 @@ class MooncakeTransport(Transport):
             return
         deadline = time.monotonic() + READ_ATTEMPTS * timeout_s
         for attempt in range(1, READ_ATTEMPTS + 1):
-            result = self._read_once(peer_meta, reads, deadline - time.monotonic())
+            result = self._read_once(peer_meta, reads, deadline - time.monotonic(), start_by)
             if result == 0:
                 return
+            if isinstance(result, TransferError):  # not started: no retry
+                raise result
             if attempt < READ_ATTEMPTS:
                 logger.warning("cp_kv: Mooncake read of %d ranges from %s failed (%r); "
                                "retrying", len(reads), peer_meta["session"], result)
         raise TransferError(f"Mooncake read failed ({result!r}; peer gone?)")
 
-    def _read_once(self, peer_meta, reads, wait_s: float):
-        """Mooncake's return code (0: done) or the exception it raised."""
+    def _read_once(self, peer_meta, reads, wait_s: float, start_by):
+        """Mooncake's return code (0: done) or the exception it raised.
+
+        The deadline counts the wait for another request's read (reads are
+        serialized), so a read ends at most ``read_bound_s`` after it starts.
+        A read given up on while it still waits for its turn never starts."""
         result: list = []
+        state = {"abandoned": False, "started": False}
+        state_lock = threading.Lock()
 
         def run():
             try:
                 with self._read_lock:
+                    with state_lock:
+                        if state["abandoned"]:
+                            raise TransferError("Mooncake read abandoned before it started")
+                        _check_start(start_by)
+                        state["started"] = True
                     result.append(self.engine.batch_transfer_sync_read(
                         peer_meta["session"], [la for _, la, _ in reads],
                         [ra for ra, _, _ in reads], [n for _, _, n in reads]))
@@ -158,13 +189,26 @@ class MooncakeTransport(Transport):
         worker.start()
         worker.join(max(wait_s, 0.0))
         if worker.is_alive():
+            with state_lock:
+                state["abandoned"] = True
+                started = state["started"]
+            if not started:  # still waiting for its turn: it never will
+                raise TransferError(f"Mooncake read did not start in {wait_s:.3g} s")
             # Mooncake gives up on a stalled read by itself (30 s): wait for
             # that, so that no read still lands in blocks the decode is about
             # to free and reuse
             worker.join(MOONCAKE_ABORT_GRACE_S)
-            raise TransferError(f"Mooncake read did not finish in {wait_s:.3g} s"
-                                + (" and was not aborted" if worker.is_alive() else ""))
+            if worker.is_alive():
+                raise ReadNotAborted(f"Mooncake read did not finish in {wait_s:.3g} s "
+                                     "and was not aborted")
+            raise TransferError(f"Mooncake read did not finish in {wait_s:.3g} s")
         return result[0]
+
+
+def _check_start(start_by: float | None) -> None:
+    if start_by is not None and time.monotonic() > start_by:
+        raise TransferError("read not started: the prefill's claim on the blocks could end "
+                            "before it finishes (it waited too long for other reads)")
 
 
 TRANSPORTS = {"nixl": NixlTransport, "mooncake": MooncakeTransport}
@@ -179,18 +223,23 @@ def make_transport(name: str, host: str) -> Transport:
 def read_owned_blocks(transport: Transport, manifests: dict[int, list[tuple[int, int]]],
                       peers: dict[int, dict], local_block_ids: list[int],
                       local_addrs: list[int], page_bytes: list[int], timeout_s: float,
-                      pause_s: float = 0.0) -> int:
+                      before_rank: Callable[[int], None] | None = None,
+                      start_by: dict[int, float] | None = None) -> int:
     """READ every rank's owned blocks (checked manifests) into their local
     slots, one batched read per rank, runs consecutive on both sides merged;
     ``peers[r]`` has the rank's ``layer_addrs`` and ``transport_meta``.
-    ``pause_s``: a test hook, sleep before each rank but the first.
+    ``before_rank(r)``: called before rank r's read (a test hook pauses
+    there); ``start_by[r]``: see ``Transport.read``.
     Returns the number of read descriptors issued."""
     num_descs = 0
     for r, entries in manifests.items():
-        if r and pause_s:
-            time.sleep(pause_s)
+        if before_rank is not None:
+            before_rank(r)
         reads = read_descriptors(merge_runs(entries, local_block_ids),
                                  peers[r]["layer_addrs"], local_addrs, page_bytes)
         num_descs += len(reads)
-        transport.read(peers[r]["transport_meta"], reads, timeout_s)
+        if start_by is None:
+            transport.read(peers[r]["transport_meta"], reads, timeout_s)
+        else:
+            transport.read(peers[r]["transport_meta"], reads, timeout_s, start_by=start_by[r])
     return num_descs

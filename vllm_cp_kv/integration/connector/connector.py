@@ -1,0 +1,108 @@
+"""``ShardedKVConnector``: vLLM's connector interface, delegating to the
+scheduler side (:mod:`.scheduler`) and the worker side (:mod:`.worker`)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
+from vllm.logger import init_logger
+
+from .config import ConnectorConfig
+from .scheduler import SchedulerSide, ShardedKVMetadata
+from .worker import WorkerSide
+
+logger = init_logger("vllm." + __name__)  # under vLLM's log config
+
+
+class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        kv = vllm_config.kv_transfer_config
+        self.cfg = ConnectorConfig.from_extra(kv.kv_connector_extra_config, kv.is_kv_producer)
+        self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
+        parallel = vllm_config.parallel_config
+        self.shard_size = parallel.decode_context_parallel_size
+        self.block_size = vllm_config.cache_config.block_size
+        self.engine_id = kv.engine_id
+        # every decode TP rank holds the whole (replicated) latent cache and
+        # pulls every block; the prefill frees once all of them are done
+        self.tp_size = parallel.tensor_parallel_size
+        if self.is_consumer and self.shard_size > 1:
+            raise ValueError(
+                "ShardedKVConnector: the decode (kv_consumer) instance must not be "
+                f"sharded (got shard size {self.shard_size}); drop cp_kv there.")
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.cfg, self.engine_id, self.shard_size,
+                                            self.block_size, self.is_producer, self.is_consumer)
+            if (self.is_consumer and self.cfg.allowed_prefill_hosts is None
+                    and self.cfg.secret is None):
+                logger.warning(
+                    "cp_kv connector: this decode fetches KV from whatever prefill host "
+                    "a request's kv_transfer_params name; set allowed_prefill_hosts or a "
+                    "side-channel secret unless every client is trusted "
+                    "(docs/disaggregated.md, Security)")
+
+    # ==============================
+    # Scheduler-side methods
+    # ==============================
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> ShardedKVMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids):
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids):
+        return self._scheduler.request_finished(request, block_ids[0])
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler.has_pending_push_work()
+
+    # ==============================
+    # Worker-side methods
+    # ==============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._worker = WorkerSide.start(
+            self.cfg, list(kv_caches.values()), get_tensor_model_parallel_rank(),
+            self.engine_id, self.shard_size, self.block_size, self.tp_size,
+            self.is_producer, self.is_consumer)
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        # transfers run in background threads (see get_transfer_results)
+        self._worker.start_step(forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker.results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

@@ -1,0 +1,220 @@
+"""Decode worker: pull one request's KV from every prefill rank.
+
+Per request, in its own thread: ask every prefill rank (side channel, under
+``transfer_timeout_s`` each) for its handshake and manifest with the
+request's transfer token (a refusal is asked again for up to
+``FETCH_RETRY_S``: the prefill's workers learn of a finished request at its
+next engine step, and the decode can be faster), refuse any mismatch or out-of-range entry before a
+byte moves (:mod:`vllm_cp_kv.core.manifest`), READ each rank's owned blocks
+straight into this rank's block-table slots, then tell every rank it is done.
+Any failure fails the request (vLLM's ``kv_load_failure_policy="fail"``) and
+is logged on the decode as ``cp_kv connector: request <id> (prefill request
+<id>) failed to receive its KV: <reason>`` (for refused params the prefill's
+request id ends the reason instead): vLLM 0.32 gives the client only
+"Internal server error" for a failed load.
+
+The fetch claims the blocks on the prefill for a lease (``producer.py``). The
+reads of a request run rank after rank, so the lease asked for covers all of
+them: ``shard_size x`` the transport's longest read
+(:meth:`Transport.read_bound_s`; Mooncake: ``READ_ATTEMPTS x timeout +
+MOONCAKE_ABORT_GRACE_S``) plus ``LEASE_MARGIN_S``. A read that could still be
+running when its lease ends (it waited behind other requests' reads) is not
+started: the request fails rather than read blocks the prefill may reuse.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from typing import Callable
+
+import msgspec
+
+from ...core.manifest import ManifestError, check_complete, validate_manifest, without_positions
+from ...core.ownership import num_logical_blocks
+from .params import RULE, TransferParams
+from .side_channel import (MAX_WIRE_LEASE_S, Done, Fetch, FetchReply, Handshake, Ok,
+                           Refused, Release, SideChannelClient, new_nonce)
+from .transfer import ReadNotAborted, read_owned_blocks
+
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
+# Test hooks, honoured only when this variable is 1 on the decode server:
+# kv_transfer_params "cp_kv_test_pause_s" pauses between prefill ranks' reads
+# (a test kills the prefill mid-transfer; the pause is logged), and
+# "cp_kv_test_ignore_positions" drops the logical positions (negative control:
+# the output must change).
+TEST_HOOKS_ENV = "VLLM_CP_KV_TEST_HOOKS"
+LEASE_MARGIN_S = 30.0
+# A refused fetch is asked again for this long (at most transfer_timeout_s):
+# the prefill's workers learn of a finished request at its next engine step.
+FETCH_RETRY_S = 10.0
+# Done / Release are best effort (the prefill ends claims and frees blocks by
+# itself): a dead prefill must not hold the request this long per rank.
+NOTICE_TIMEOUT_S = 5.0
+
+
+class Consumer:
+    """One decode rank's pulls. ``start`` and ``take_results`` run on the
+    worker's thread, the pulls on their own."""
+
+    def __init__(self, local: Handshake, transport, timeout_s: float, secret: bytes | None,
+                 tp_size: int, on_finished: Callable[[], None] = lambda: None):
+        self.local, self.transport = local, transport
+        self.timeout_s, self.secret, self.tp_size = timeout_s, secret, tp_size
+        self._on_finished = on_finished
+        self._lock = threading.Lock()
+        self._receiving = 0
+        self._done: set[str] = set()
+        self._failed: set[str] = set()
+
+    def start(self, req_id: str, local_ids: list[int], params: TransferParams | None,
+              error: str | None) -> None:
+        with self._lock:
+            self._receiving += 1
+        threading.Thread(target=self._run, args=(req_id, local_ids, params, error),
+                         daemon=True, name="cp_kv-receive").start()
+
+    def take_results(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) since the last call."""
+        with self._lock:
+            done, failed = self._done, self._failed
+            self._done, self._failed = set(), set()
+        return done, failed
+
+    def pending(self) -> bool:
+        with self._lock:
+            return self._receiving > 0
+
+    def ready(self) -> bool:
+        with self._lock:
+            return bool(self._done)
+
+    def _run(self, req_id, local_ids, params, error) -> None:
+        failed = True
+        try:
+            if error:
+                raise ManifestError(error)
+            self.receive(req_id, local_ids, params)
+            failed = False
+        except Exception as e:  # refused metadata, dead or fake peer, timeout
+            remote = f" (prefill request {params.remote_request_id})" if params else ""
+            logger.error("cp_kv connector: request %s%s failed to receive its KV: %s: %s",
+                         req_id, remote, type(e).__name__, e)
+        with self._lock:
+            self._receiving -= 1
+            self._done.add(req_id)
+            if failed:
+                self._failed.add(req_id)
+        self._on_finished()
+
+    def lease_s(self, shard_size: int) -> float:
+        """The claim to ask each prefill rank for (see the module docstring)."""
+        bound = shard_size * self.transport.read_bound_s(self.timeout_s) + LEASE_MARGIN_S
+        return min(bound, MAX_WIRE_LEASE_S)
+
+    def receive(self, req_id: str, local_ids: list[int], p: TransferParams) -> None:
+        t0 = time.monotonic()
+        n_blocks = num_logical_blocks(p.remote_num_tokens, self.local.block_size)
+        ids = local_ids[:n_blocks]
+        if len(ids) < n_blocks or min(ids) < 0 or max(ids) >= self.local.num_blocks:
+            raise ManifestError(f"local block ids {local_ids[:8]} cannot hold {n_blocks} blocks")
+        reader = secrets.token_hex(8)  # this pull's name in the prefill's claims
+        lease_s = self.lease_s(p.shard_size)
+        bound = self.transport.read_bound_s(self.timeout_s)
+        clients, peers, manifests, start_by = [], {}, {}, {}
+        try:
+            for r in range(p.shard_size):  # all metadata first: nothing moves on a mismatch
+                client = SideChannelClient(p.remote_host, p.remote_port + r, self.secret,
+                                           self.timeout_s)
+                clients.append(client)
+                asked, reply = self._fetch(client, p, reader, lease_s)
+                client.claimed = True
+                hs = reply.handshake
+                self.check_handshake(hs, r, p)
+                manifests[r] = validate_manifest(reply.manifest, r, p.shard_size, n_blocks,
+                                                 hs.num_blocks)
+                peers[r] = {"layer_addrs": hs.layer_addrs,
+                            "transport_meta": msgspec.structs.asdict(hs.transport_meta)}
+                # our clock started before theirs: the claim ends after this
+                start_by[r] = asked + reply.lease_s - bound
+            check_complete(manifests, n_blocks)
+            hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
+            if hooks and p.cp_kv_test_ignore_positions:
+                manifests = without_positions(manifests)
+            pause = p.cp_kv_test_pause_s if hooks else 0.0
+
+            def before_rank(r: int) -> None:
+                if r and pause:
+                    logger.info("cp_kv connector: test hook: request %s read rank %d's "
+                                "blocks; pausing %g s before rank %d's", req_id, r - 1,
+                                pause, r)
+                    time.sleep(pause)
+
+            num_descs = read_owned_blocks(
+                self.transport, manifests, peers, local_ids, self.local.layer_addrs,
+                self.local.block_bytes, self.timeout_s, before_rank=before_rank,
+                start_by=start_by)
+            self._tell(clients, req_id, Done, p, reader, readers=self.tp_size)
+        except ReadNotAborted:
+            raise  # data may still land: the claims must run out by themselves
+        except Exception:
+            # end the claims at once (the prefill frees the blocks on expiry,
+            # so a client may still retry the request)
+            self._tell([c for c in clients if c.claimed], req_id, Release, p, reader)
+            raise
+        finally:
+            for client in clients:
+                client.close()
+        logger.info("cp_kv connector: request %s received %d tokens (%d blocks, %d "
+                    "descriptors) from %d prefill ranks in %.3f s", req_id,
+                    p.remote_num_tokens, n_blocks, num_descs, p.shard_size,
+                    time.monotonic() - t0)
+
+    def _fetch(self, client: SideChannelClient, p: TransferParams, reader: str,
+               lease_s: float) -> tuple[float, FetchReply]:
+        """``(time asked, reply)``. A refusal is retried for up to
+        ``FETCH_RETRY_S``: the prefill's workers learn of a finished request
+        at its next engine step, and a fast decode can ask before that (the
+        refusal cannot say why: an unknown request and a wrong token get the
+        same answer, so a wrong token fails after that long)."""
+        deadline = time.monotonic() + min(self.timeout_s, FETCH_RETRY_S)
+        pause = 0.02
+        while True:
+            asked = time.monotonic()
+            try:
+                return asked, client.ask(Fetch(
+                    nonce=new_nonce(), request_id=p.remote_request_id, token=p.transfer_token,
+                    reader=reader, lease_s=lease_s), FetchReply)
+            except Refused:
+                if time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+
+    def _tell(self, clients, req_id, kind, p: TransferParams, reader: str, **fields) -> None:
+        """Best effort ``Done``/``Release`` to each rank (the prefill side
+        also ends claims and frees blocks by itself)."""
+        for client in clients:
+            try:
+                client.ask(kind(nonce=new_nonce(), request_id=p.remote_request_id,
+                                token=p.transfer_token, reader=reader, **fields), Ok,
+                           timeout_s=min(self.timeout_s, NOTICE_TIMEOUT_S))
+            except Exception as e:
+                logger.warning("cp_kv connector: request %s: no %s confirmed by %s: %s",
+                               req_id, kind.__name__, client.address, e)
+
+    def check_handshake(self, hs: Handshake, rank: int, p: TransferParams) -> None:
+        mine = self.local
+        want = {"rank": rank, "shard_size": p.shard_size, "block_size": mine.block_size,
+                "ownership_rule": RULE, "block_bytes": mine.block_bytes,
+                "dtype": mine.dtype, "transport": mine.transport,
+                "caches": len(mine.layer_addrs)}
+        got = {k: getattr(hs, k) for k in want if k != "caches"}
+        got["caches"] = len(hs.layer_addrs)
+        bad = {k: (got[k], v) for k, v in want.items() if got[k] != v}
+        if bad:
+            raise ManifestError(f"handshake mismatch with prefill rank {rank} "
+                                f"(theirs, ours): {bad}")

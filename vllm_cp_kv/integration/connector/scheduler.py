@@ -1,0 +1,112 @@
+"""Scheduler side of the connector: which requests load or hand over KV.
+
+Decode (consumer): a request with ``do_remote_prefill`` loads its whole
+prompt from the prefill; its params are checked here (they are client input,
+:mod:`.params`) and the result, good or not, goes to the workers with the
+request's block table (a bad one fails the request's load there).
+
+Prefill (producer): a request finished with ``do_remote_decode`` keeps its
+blocks; ``request_finished`` makes its **transfer token**
+(``secrets.token_urlsafe(32)``), returns it to the client in
+``kv_transfer_params`` and hands it to the prefill workers with the block
+table, which serve the request's manifest only to its holder.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from .config import ConnectorConfig
+from .params import RULE, TransferParams, check_params
+from .side_channel import MAX_ID_CHARS
+
+
+@dataclass
+class ShardedKVMetadata(KVConnectorMetadata):
+    # decode: req_id -> (local block ids, checked params or None, error or None)
+    to_recv: dict[str, tuple[list[int], TransferParams | None, str | None]] = field(
+        default_factory=dict)
+    # prefill: req_id -> (virtual block table, prompt tokens, transfer token)
+    to_send: dict[str, tuple[list[int], int, str]] = field(default_factory=dict)
+
+
+def _params(request) -> dict | None:
+    params = request.kv_transfer_params
+    return params if isinstance(params, dict) else None
+
+
+class SchedulerSide:
+    def __init__(self, cfg: ConnectorConfig, engine_id: str, shard_size: int, block_size: int,
+                 is_producer: bool, is_consumer: bool):
+        self.cfg, self.engine_id = cfg, engine_id
+        self.shard_size, self.block_size = shard_size, block_size
+        self.is_producer, self.is_consumer = is_producer, is_consumer
+        self._to_recv: dict = {}
+        self._to_send: dict = {}
+        self._pending_sends: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        params = _params(request)
+        if self.is_consumer and params and params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids or []) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        params = _params(request)
+        if not (params and params.get("do_remote_prefill")):
+            return
+        asked = params["do_remote_prefill"]
+        params["do_remote_prefill"] = False  # one transfer per request
+        if num_external_tokens == 0:
+            return
+        checked, error = check_params(dict(params, do_remote_prefill=asked),
+                                      len(request.prompt_token_ids or []), self.cfg)
+        if error:  # name the prefill's request in the decode's log line, bounded
+            error += f" (prefill request {str(params.get('remote_request_id'))[:MAX_ID_CHARS]!r})"
+        self._to_recv[request.request_id] = (list(blocks.get_block_ids()[0]), checked, error)
+
+    def build_connector_meta(self, scheduler_output) -> ShardedKVMetadata:
+        meta = ShardedKVMetadata(to_recv=self._to_recv, to_send=self._to_send)
+        self._to_recv, self._to_send = {}, {}
+        if scheduler_output.total_num_scheduled_tokens == 0 and not (meta.to_recv or meta.to_send):
+            # vLLM steps an idle engine in a tight loop while finished requests
+            # hold blocks for a transfer (and while a decode waits for one), and
+            # every step keeps each worker spinning for a second; throttle those
+            # empty steps so they do not starve the machine.
+            time.sleep(self.cfg.idle_step_s)
+        return meta
+
+    def request_finished(self, request, block_ids):
+        from vllm.v1.request import RequestStatus
+
+        params = _params(request)
+        if not (self.is_producer and params and params.get("do_remote_decode") is True):
+            return False, None
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            return False, None  # aborted or failed: free now, nothing to send
+        table = list(block_ids)
+        num_tokens = len(request.prompt_token_ids or [])
+        token = secrets.token_urlsafe(32)
+        self._to_send[request.request_id] = (table, num_tokens, token)
+        self._pending_sends.add(request.request_id)
+        return True, {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
+            "remote_host": self.cfg.host, "remote_port": self.cfg.port,
+            "remote_num_tokens": num_tokens, "shard_size": self.shard_size,
+            "block_size": self.block_size, "ownership_rule": RULE,
+            "transport": self.cfg.transport, "transfer_token": token}
+
+    def update_connector_output(self, connector_output) -> None:
+        for req_id in connector_output.finished_sending or ():
+            self._pending_sends.discard(req_id)
+
+    def has_pending_push_work(self) -> bool:
+        # keep the engine stepping so workers learn of finished transfers
+        return bool(self._pending_sends)

@@ -1,0 +1,101 @@
+"""Worker side of the connector: registration, the per-step hand-off of
+requests to the producer (prefill) or consumer (decode), and the empty-step
+wait.
+
+While transfers are pending and nothing else runs, vLLM's engine polls the
+connector in a loop of empty steps (no forward). On such a step the worker
+waits up to ``IDLE_STEP_WAIT_S`` for a transfer to finish instead of
+returning at once (woken at once by a finished transfer): the polling of the
+engine and of every worker otherwise takes the CPU from the transfer threads
+(on a 2-core machine, receives of a few dozen tokens took 1-18 s and a
+side-channel handshake timed out after 30 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from .config import ConnectorConfig
+from .consumer import Consumer
+from .params import RULE
+from .producer import Producer
+from .side_channel import Handshake, TransportMeta
+from .transfer import make_transport
+
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
+IDLE_STEP_WAIT_S = 0.005
+
+
+class WorkerSide:
+    def __init__(self, producer: Producer | None = None, consumer: Consumer | None = None,
+                 event: threading.Event | None = None, idle_wait_s: float = IDLE_STEP_WAIT_S):
+        self.producer, self.consumer = producer, consumer
+        self.event = event if event is not None else threading.Event()  # a transfer finished
+        self.idle_wait_s = idle_wait_s
+        self._queued_recv: dict = {}
+        self._idle_step = False  # this step runs no forward
+
+    @classmethod
+    def start(cls, cfg: ConnectorConfig, caches: list[torch.Tensor], rank: int, engine_id: str,
+              shard_size: int, block_size: int, tp_size: int, is_producer: bool,
+              is_consumer: bool) -> WorkerSide:
+        """Register the caches with the transport; a prefill rank starts
+        serving its side channel on ``cfg.host:cfg.port + rank``."""
+        for t in caches:
+            assert t.is_contiguous(), "ShardedKVConnector needs contiguous caches"
+        transport = make_transport(cfg.transport, cfg.host)
+        handshake = Handshake(
+            engine_id=str(engine_id or ""), rank=rank, shard_size=shard_size,
+            block_size=block_size, ownership_rule=RULE, num_blocks=caches[0].shape[0],
+            # one entry per registered cache, each with its own page size (the
+            # MLA latent; for sparse models also the indexer K/scale cache)
+            block_bytes=[t[0].numel() * t.element_size() for t in caches],
+            dtype=[str(t.dtype) for t in caches], layer_addrs=[t.data_ptr() for t in caches],
+            transport=cfg.transport, transport_meta=TransportMeta(**transport.register(caches)))
+        side = cls()
+        if is_producer:
+            side.producer = Producer(rank, shard_size, block_size, handshake, cfg.expiry_s,
+                                     side.event.set, transport)
+            side.producer.serve(cfg.host, cfg.port + rank, cfg.secret)
+            logger.info("cp_kv connector: prefill rank %d/%d serves %s, side channel on %s:%d "
+                        "(%s)", rank, shard_size, cfg.transport, cfg.host, cfg.port + rank,
+                        "HMAC secret set" if cfg.secret else "no shared secret")
+        if is_consumer:
+            side.consumer = Consumer(handshake, transport, cfg.timeout_s, cfg.secret, tp_size,
+                                     side.event.set)
+        return side
+
+    def bind(self, meta) -> None:
+        for req_id, (table, num_tokens, token) in meta.to_send.items():
+            self.producer.add(req_id, table, num_tokens, token)
+        # Start reading only at the end of this step: vLLM zeroes newly
+        # allocated blocks at the start of the step, after this binding.
+        self._queued_recv.update(meta.to_recv)
+
+    def start_step(self, forward_context) -> None:
+        # vLLM's connector-only steps bind no attention metadata
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
+
+    def results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving)."""
+        for req_id, (local_ids, params, error) in self._queued_recv.items():
+            self.consumer.start(req_id, local_ids, params, error)
+        self._queued_recv = {}
+        if self._idle_step:
+            self._wait_for_transfer()
+        sending = self.producer.take_finished() if self.producer else set()
+        recving, failed = self.consumer.take_results() if self.consumer else (set(), set())
+        return sending, recving, failed
+
+    def _wait_for_transfer(self) -> None:
+        parts = [p for p in (self.producer, self.consumer) if p is not None]
+        if any(p.pending() for p in parts) and not any(p.ready() for p in parts):
+            self.event.wait(self.idle_wait_s)
+        self.event.clear()
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
