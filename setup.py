@@ -16,5 +16,6 @@ setup(
     },
     entry_points={
         "vllm.general_plugins": ["cp_kv = vllm_cp_kv:register"],
+        "console_scripts": ["vllm-cp-kv = vllm_cp_kv.tools.cli:main"],
     },
 )

@@ -2,15 +2,20 @@
 
 Usage (on the lent 2xH200 machine): python benchmarks/gpu_materialize.py OUT_DIR
 
-1. Correctness, bit-exact against the torch/CPU reference, for the three
-   paged layouts (bf16 MLA latent, fp8 latent with scales, sparse indexer),
-   with ragged batches, shared blocks, a rank that owns nothing and a
-   one-token request; Triton pack/scatter against torch on fresh random data.
-2. Bandwidth: HBM device-to-device copy (the ceiling for pack and scatter);
-   plain NCCL all_gather_into_tensor against the materialization gather
-   (pack into the own slice + in-place all-gather) at the same byte count.
+1. Correctness, bit-exact, for the three paged layouts (bf16 MLA latent, fp8
+   latent with scales, sparse indexer), with ragged batches, shared blocks, a
+   rank that owns nothing and a one-token request: the full view gathered
+   with ``core.materialize.gather`` (``pack`` = ``index_select`` into the
+   own slice, then the in-place all-gather) against every token read from
+   where vLLM's slot-mapping kernel stored it (tests/reference.py), and the
+   plan made on the GPU against the plan made on the CPU.
+2. Bandwidth: HBM device-to-device copy (the ceiling for the pack); the pack
+   alone; plain NCCL all_gather_into_tensor against the materialization
+   gather (pack into the own slice + in-place all-gather) at the same byte
+   count.
 3. Overlap: L layers of "gather the next layer on a side stream + MLA-prefill
-   attention on this layer" against the same loop without gathers.
+   attention on this layer" (``LayerPrefetcher``) against the same loop
+   without gathers.
 Writes OUT_DIR/materialize.json; prints a short table last.
 """
 
@@ -24,20 +29,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import graph_time, header, spawn, time_ms, write_json  # noqa: E402
+from common import ROOT, graph_time, header, spawn, time_ms, write_json  # noqa: E402
 
-from vllm_cp_kv.core.kernels import indexer_views, pack_blocks, scatter_rows  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the independent reference
+from reference import full_view, tokens_of  # noqa: E402
+
 from vllm_cp_kv.core.materialize import (LayerPrefetcher, all_gather_into_fn,  # noqa: E402
-                                         gather, write_new)
+                                         gather, pack)
 from vllm_cp_kv.core.ownership import CPShardSpec  # noqa: E402
-from vllm_cp_kv.core.plan import brute_force_full_view, plan_materialization  # noqa: E402
+from vllm_cp_kv.core.plan import plan_materialization  # noqa: E402
 
 LOW_CTAS = 2  # NCCL CTAs of the prefetch communicator in the overlap test
 BS = 64  # GPU MLA block size (FlashMLA / sparse backends)
-LAYOUTS = {  # name: (per-block shape, dtype)
+LAYOUTS = {  # name: (per-block shape [tokens, bytes or values per token], dtype)
     "bf16_latent": ((BS, 576), torch.bfloat16),
     "fp8_latent": ((BS, 656), torch.uint8),
-    "indexer": ((BS * 132,), torch.uint8),
+    # keys then scales per block; viewed as [BS, 132] like tests/test_materialize_dist.py
+    "indexer": ((BS, 132), torch.uint8),
 }
 SCENARIOS = {
     "ragged": ([1, 70, 1000, 333, 4097], None),
@@ -76,37 +84,14 @@ def check_correctness(rank, n, fn, results):
             scratch = torch.empty((plan.num_scratch_blocks, *shape), dtype=dtype, device=dev)
             scratch.view(torch.uint8).fill_(0xFF)  # poison
             full = gather(plan, rank, caches[rank].to(dev), fn, scratch=scratch)
-            ref = brute_force_full_view(spec, table, lens_t, caches)
+            ref = full_view(table, lens_t, caches, BS, n)
             cpu = plan_materialization(spec, table, lens_t)
             ok = torch.equal(plan.full_block_table.cpu(), cpu.full_block_table)
             for i in range(len(lens)):
                 nb = int(cpu.num_logical_blocks[i])
-                got = full[plan.full_block_table[i, :nb].long()].cpu()
+                got = tokens_of(full[plan.full_block_table[i, :nb].long()].cpu(), lens[i])
                 ok &= torch.equal(got.view(torch.uint8), ref[i].view(torch.uint8))
             results.setdefault("correctness", {})[f"{lname}/{sname}"] = bool(ok)
-    # Triton pack/scatter against torch, fresh random data, each layout
-    gen = torch.Generator(device=dev).manual_seed(100 + rank)
-    for lname, (shape, dtype) in LAYOUTS.items():
-        cache = (torch.randn((300, *shape), device=dev, generator=gen).to(dtype)
-                 if dtype == torch.bfloat16 else
-                 torch.randint(0, 256, (300, *shape), device=dev, generator=gen, dtype=dtype))
-        ids = torch.randperm(300, device=dev, generator=gen)[:123]
-        a = pack_blocks(cache, ids, use_triton=True)  # Triton against torch
-        b = pack_blocks(cache, ids, use_triton=False)
-        ok = torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        slots = torch.randperm(300 * BS, device=dev, generator=gen)[:777]
-        slots[::5] = -1  # tokens other ranks own
-        c1, c2 = cache.clone(), cache.clone()
-        views1 = [(c1, shape[-1])] if lname != "indexer" else list(zip(indexer_views(c1, BS), (128, 4)))
-        views2 = [(c2, shape[-1])] if lname != "indexer" else list(zip(indexer_views(c2, BS), (128, 4)))
-        for (v1, d), (v2, _) in zip(views1, views2):
-            rows = torch.randint(0, 256, (777, d * (2 if dtype == torch.bfloat16 else 1)),
-                                 device=dev, generator=gen, dtype=torch.uint8).view(v1.dtype)
-            scatter_rows(v1, slots, rows, use_triton=True)
-            scatter_rows(v2, slots, rows, use_triton=False)
-        ok &= torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))
-        ok &= not torch.equal(c1.view(torch.uint8), cache.view(torch.uint8))
-        results.setdefault("correctness", {})[f"{lname}/triton_vs_torch"] = bool(ok)
 
 
 def bandwidth(rank, n, fn, results):
@@ -117,41 +102,18 @@ def bandwidth(rank, n, fn, results):
     t = time_ms(lambda: dst.copy_(src), sync_group=False)
     hbm = 2 * gib / t / 1e6  # GB/s, read + write
     results["hbm_copy_GBps"] = hbm
-    # pack 1 GiB worth of bf16 latent blocks from a 4 GiB cache
+    # pack (index_select) 1 GiB worth of bf16 latent blocks from a 4 GiB
+    # cache: one request's blocks at random places, as a plan lists them
     block_bytes = BS * 576 * 2
     nblk = (4 * gib) // block_bytes
     cache = torch.randn((nblk, BS, 576), device=dev, dtype=torch.bfloat16)
-    ids = torch.randperm(nblk, device=dev)[: gib // block_bytes]
-    out = torch.empty((ids.numel(), BS, 576), device=dev, dtype=torch.bfloat16)
-    for name, tri in (("pack_triton", True), ("pack_index_select", False)):
-        t = time_ms(lambda: pack_blocks(cache, ids, out=out, use_triton=tri), sync_group=False)
-        results[f"{name}_GBps"] = 2 * ids.numel() * block_bytes / t / 1e6
-    # scatter 1 GiB of new rows (576 bf16 each): into whole blocks in random
-    # block order (a prefill chunk's tokens fill consecutive slots of their
-    # blocks), and into fully random slots (worst case)
-    rows_n = gib // 1152
-    rows = torch.randn((rows_n, 576), device=dev, dtype=torch.bfloat16)
-    blocks = torch.randperm(nblk, device=dev)[: rows_n // BS]
-    patterns = {"blocks": (blocks[:, None] * BS + torch.arange(BS, device=dev)).flatten(),
-                "random": torch.randperm(nblk * BS, device=dev)[:rows_n]}
-    sweep = []
-    for pname, slots in patterns.items():
-        n_rows = slots.numel()
-        t = time_ms(lambda: scatter_rows(cache, slots, rows[:n_rows], use_triton=False),
-                    sync_group=False)
-        results[f"scatter_torch_{pname}_GBps"] = 2 * n_rows * 1152 / t / 1e6
-        for rpp, chunk in ((1, 256), (2, 256), (4, 256), (8, 128), (16, 64)):
-            t = time_ms(lambda: scatter_rows(cache, slots, rows[:n_rows], use_triton=True,
-                                             rows_per_program=rpp, chunk=chunk), sync_group=False)
-            sweep.append({"pattern": pname, "rows_per_program": rpp, "chunk": chunk,
-                          "GBps": 2 * n_rows * 1152 / t / 1e6})
-        t = time_ms(lambda: scatter_rows(cache, slots, rows[:n_rows], use_triton=True),
-                    sync_group=False)
-        results[f"scatter_triton_{pname}_GBps"] = 2 * n_rows * 1152 / t / 1e6
-    results["scatter_sweep"] = sweep
-    results["scatter_triton_GBps"] = results["scatter_triton_blocks_GBps"]
-    results["scatter_torch_GBps"] = results["scatter_torch_blocks_GBps"]
-    del cache, out, rows, src, dst
+    cols = gib // block_bytes
+    table = (torch.randperm(nblk - 1, device=dev)[:cols] + 1).view(1, cols).to(torch.int32)
+    plan = plan_materialization(CPShardSpec(rank, n, BS), table, torch.tensor([cols * n * BS]))
+    out = torch.empty((plan.blocks_per_rank, BS, 576), device=dev, dtype=torch.bfloat16)
+    t = time_ms(lambda: pack(plan, rank, cache, out=out), sync_group=False)
+    results["pack_index_select_GBps"] = 2 * plan.blocks_per_rank * block_bytes / t / 1e6
+    del cache, out, src, dst
     torch.cuda.empty_cache()
     # gather vs plain all_gather_into_tensor at the same bytes per rank
     rows_out = []
@@ -223,9 +185,14 @@ def overlap(rank, n, fn, results, layers=4):
                             dtype=torch.bfloat16) for _ in range(2)]
         pf = LayerPrefetcher(plan, rank, fn, bufs)
         pf_low = LayerPrefetcher(plan, rank, low_cta_fn, bufs)
-        new_slots = plan.scratch_slot_mapping(torch.zeros(chunk, dtype=torch.long, device=dev),
-                                              torch.arange(ctx - chunk, ctx, device=dev))
-        new_rows = torch.randn((chunk, 576), device=dev, dtype=torch.bfloat16)
+        # Earlier versions wrote this step's `chunk` new rows into each view
+        # (write_new, since removed). A prefetched view holds only what the
+        # cache held when its gather started, the cached context, which is
+        # what the vLLM path plans for prefills (their new tokens come from
+        # the projections), so nothing is written into it here. The plan
+        # still covers all `ctx` tokens, the bytes per layer of the earlier
+        # runs; a vLLM prefill of `chunk` new tokens would plan only the
+        # `ctx - chunk` cached ones.
 
         def attention():
             return F.scaled_dot_product_attention(q, k, v)
@@ -239,15 +206,13 @@ def overlap(rank, n, fn, results, layers=4):
             for layer in range(layers):
                 if layer + 1 < layers:
                     p.start(layer + 1, caches[layer + 1])
-                view = p.wait(layer)
-                write_new(view, BS, new_slots, new_rows)
+                p.wait(layer)
                 attention()
                 p.release(layer)
 
         def serial():
             for layer in range(layers):
-                view = gather(plan, rank, caches[layer], fn, scratch=bufs[0])
-                write_new(view, BS, new_slots, new_rows)
+                gather(plan, rank, caches[layer], fn, scratch=bufs[0])
                 attention()
 
         iters = 5 if ctx > 32768 else 10
@@ -287,13 +252,8 @@ def print_table(r):
     bad = [k for k, v in r["correctness"].items() if not v]
     print(f"correctness: {sum(r['correctness'].values())}/{len(r['correctness'])} bit-exact"
           + (f"  FAILED: {bad}" if bad else ""))
-    print(f"HBM copy {r['hbm_copy_GBps']:.0f} GB/s | pack triton {r['pack_triton_GBps']:.0f} "
-          f"index_select {r['pack_index_select_GBps']:.0f} | scatter triton blocks "
-          f"{r['scatter_triton_blocks_GBps']:.0f} random {r['scatter_triton_random_GBps']:.0f}"
-          f" torch blocks {r['scatter_torch_blocks_GBps']:.0f} GB/s")
-    best = max(r["scatter_sweep"], key=lambda x: x["GBps"] if x["pattern"] == "blocks" else 0)
-    print("scatter sweep:", " ".join(f"{x['pattern'][0]}{x['rows_per_program']}x{x['chunk']}="
-                                     f"{x['GBps']:.0f}" for x in r["scatter_sweep"]), "best", best)
+    hbm, pk = r["hbm_copy_GBps"], r["pack_index_select_GBps"]
+    print(f"HBM copy {hbm:.0f} GB/s | pack (index_select) {pk:.0f} GB/s ({pk / hbm:.0%})")
     if r["world_size"] < 2:
         print("gather bandwidth: not measured (one GPU; the gather is a local copy)")
     print("MiB/rank  plain  materialize  collective-only  plain(graph)  materialize(graph)  busbw GB/s")

@@ -6,7 +6,7 @@ Usage (on the GPU machine, after ``source scripts/gpu/setup_device.sh``):
 GROUPs: ``pcp`` (PCP=2, dense and MoE), ``tp`` (TP=2 with FLASH_ATTN_MLA,
 FLASHMLA, TRITON_MLA), ``ttft`` (time to first token), ``all``.
 
-Each configuration runs in its own process (``vllm_cp_kv.tools.generate`` or
+Each configuration runs in its own process (``tests/run_vllm.py`` or
 ``benchmarks/gpu_vllm_ttft.py``) with a timeout; a run that fails is recorded
 with the tail of its log, the others go on. Sharded correctness runs have
 ``VLLM_CP_KV_DEBUG=1`` (all invariant checks on), TTFT runs do not.
@@ -149,7 +149,7 @@ def run_one(name, spec, out, timeout):
     js = os.path.join(out, f"{name}.json")
     args = [x.replace("{out}", out) for x in args]
     if kind == "gen":
-        cmd = [sys.executable, "-m", "vllm_cp_kv.tools.generate", path, js, *args]
+        cmd = [sys.executable, os.path.join(ROOT, "tests", "run_vllm.py"), path, js, *args]
     else:
         cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_vllm_ttft.py"),
                path, js, *args]
@@ -187,11 +187,10 @@ def load_run(out, name, rc=0, **extra):
 
 def owned_rows(prompt_lens, new_tokens, block_size, n):
     """Rows each of n ranks writes per layer (the last token is never fed back)."""
-    sys.path.insert(0, ROOT)
-    from vllm_cp_kv.core.ownership import brute_force_owned_counts
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from reference import owned_counts
 
-    return brute_force_owned_counts([p + new_tokens - 1 for p in prompt_lens],
-                                    block_size, n)
+    return owned_counts([p + new_tokens - 1 for p in prompt_lens], block_size, n)
 
 
 def compare(results):

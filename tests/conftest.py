@@ -21,15 +21,27 @@ CPU_ENV = {
 }
 
 
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
 def vllm_available() -> bool:
     try:
         import vllm  # noqa: F401
     except Exception:
+        if IN_CI:  # CI installs everything: a missing piece is a failure
+            raise
         return False
     return True
 
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+
+
+def amx_available() -> bool:
+    """Whether vLLM picks AMX_MLA here (else CPU_MLA, block 16)."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
 
 
 @pytest.fixture(scope="session")
@@ -40,18 +52,29 @@ def tiny_dsv2():
 
 
 @pytest.fixture(scope="session")
+def held_out():
+    """A tiny DeepSeek-V2 unlike the demo's (tools/tiny_model.build_held_out)."""
+    from vllm_cp_kv.tools.tiny_model import build_held_out
+
+    return build_held_out(os.path.join(MODELS_DIR, "held-out-dsv2"))
+
+
+@pytest.fixture(scope="session")
 def tiny_llama():
     from vllm_cp_kv.tools.tiny_model import build_llama
 
     return build_llama(os.path.join(MODELS_DIR, "tiny-llama"))
 
 
+RUNNER = os.path.join(ROOT, "tests", "run_vllm.py")
+
+
 def run_generate(model, out_dir, name, *args, env=None, timeout=600):
-    """Run vllm_cp_kv.tools.generate in a fresh process; return its JSON."""
+    """Run tests/run_vllm.py in a fresh process; return its JSON."""
     out = os.path.join(out_dir, f"{name}.json")
     full_env = {**os.environ, **CPU_ENV, **(env or {})}
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_cp_kv.tools.generate", model, out, *args],
+        [sys.executable, RUNNER, model, out, *args],
         env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     log = os.path.join(out_dir, f"{name}.log")
     with open(log, "w") as f:

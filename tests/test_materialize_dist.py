@@ -1,8 +1,9 @@
 """The materializer with real collectives: 2 and 4 processes over gloo.
 
-Each rank holds only its own cache; the full view it gathers must equal the
-brute-force view read straight from every owner (which the test can build
-because every rank's random cache is seeded). Covers ragged batches,
+Each rank holds only its own cache; the full view it gathers must equal
+every token read from where vLLM's slot-mapping kernel stored it
+(tests/reference.py; the test can read every rank's cache because every
+rank's random cache is seeded). Covers ragged batches,
 shared blocks, a rank that owns nothing in the batch and a one-token
 request, plus two negative controls: a corrupted owned block changes the
 view at exactly that block, and a rank with another block table is caught
@@ -15,10 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from builders import make_batch, spawn_ranks, spec, view_of
+from builders import BS, make_batch, spawn_ranks, spec, view_of
+from reference import full_view, tokens_of
 from vllm_cp_kv.core import debug
 from vllm_cp_kv.core.materialize import all_gather_into_fn, gather
-from vllm_cp_kv.core.plan import brute_force_full_view, plan_materialization
+from vllm_cp_kv.core.plan import plan_materialization
 
 SCENARIOS = [
     dict(lens=[1, 17, 95, 33, 160], shared=None),  # ragged
@@ -39,9 +41,10 @@ def _worker(rank, n, port, errors):
             plan = plan_materialization(spec(n, rank), table, lens)
             debug.check_plan_identical(plan, None)
             full = gather(plan, rank, caches[rank], fn)
-            ref = brute_force_full_view(spec(n), table, lens, caches)
+            ref = full_view(table, lens, caches, BS, n)
             for i in range(len(lens)):
-                assert torch.equal(view_of(plan, full, i), ref[i]), (k, i)
+                got = tokens_of(view_of(plan, full, i), int(lens[i]))
+                assert torch.equal(got, ref[i]), (k, i)
             # negative control: rank 1 corrupts logical block 1 of request 0
             if rank == 1:
                 caches[1][int(table[0, 0])] += 1
@@ -67,7 +70,7 @@ def _worker(rank, n, port, errors):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_gather_matches_brute_force(n):
+def test_gather_matches_the_reference(n):
     spawn_ranks(_worker, n)
 
 
@@ -98,10 +101,9 @@ def _sparse_worker(rank, n, port, errors):
         plan = plan_materialization(spec(n, rank), table, lens)  # one plan
         for which in (0, 1):  # latent, then indexer, like a layer does
             full = gather(plan, rank, caches[rank][which], fn)
-            ref = brute_force_full_view(spec(n), table, lens,
-                                        [c[which] for c in caches])
+            ref = full_view(table, lens, [c[which] for c in caches], bs, n)
             for i in range(len(lens)):  # bitwise: random bytes hold NaNs
-                got, want = view_of(plan, full, i), ref[i]
+                got, want = tokens_of(view_of(plan, full, i), int(lens[i])), ref[i]
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (which, i)
         # negative control: a scale byte of an owned indexer block changes
         if rank == 1:

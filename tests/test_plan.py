@@ -1,15 +1,17 @@
-"""Materialization plan against a brute-force reference (one process;
+"""Materialization plan against an independent reference (one process;
 every rank's pack is computed here and concatenated as the all-gather
-would). Multi-process runs with real collectives are in
-test_materialize_dist.py."""
+would). The reference reads each token from where vLLM's slot-mapping
+kernel stored it (tests/reference.py), not through the ownership rule.
+Multi-process runs with real collectives are in test_materialize_dist.py."""
 
 import pytest
 import torch
 
-from builders import BS, D, make_batch, spec, view_of
+from builders import BS, make_batch, spec, view_of
+from reference import full_view, tokens_of
 from vllm_cp_kv.core import debug
-from vllm_cp_kv.core.materialize import ScratchPool, pack, write_new
-from vllm_cp_kv.core.plan import brute_force_full_view, plan_materialization
+from vllm_cp_kv.core.materialize import ScratchPool, pack
+from vllm_cp_kv.core.plan import plan_materialization
 
 
 def simulated_gather(plan, caches):
@@ -30,9 +32,9 @@ def test_plan_matches_brute_force(n, case):
     table, lens, caches = make_batch(n, CASES[case], seed=n)
     plan = plan_materialization(spec(n), table, lens)
     scratch = simulated_gather(plan, caches)
-    ref = brute_force_full_view(spec(n), table, lens, caches)
+    ref = full_view(table, lens, caches, BS, n)
     for i in range(len(lens)):
-        assert torch.equal(view_of(plan, scratch, i), ref[i])
+        assert torch.equal(tokens_of(view_of(plan, scratch, i), int(lens[i])), ref[i])
     # one collective of the same size everywhere; counts add up
     assert plan.send_block_ids.shape == (n, plan.blocks_per_rank)
     assert int(plan.num_send_blocks.sum()) == int(plan.num_logical_blocks.sum())
@@ -54,9 +56,9 @@ def test_shared_blocks_are_gathered_once():
     assert int(plan.num_send_blocks.sum()) == 16 - 4
     assert torch.equal(plan.full_block_table[0, :4], plan.full_block_table[1, :4])
     scratch = simulated_gather(plan, caches)
-    ref = brute_force_full_view(spec(n), table, lens, caches)
+    ref = full_view(table, lens, caches, BS, n)
     for i in range(2):
-        assert torch.equal(view_of(plan, scratch, i), ref[i])
+        assert torch.equal(tokens_of(view_of(plan, scratch, i), int(lens[i])), ref[i])
 
 
 def test_corrupted_owned_block_changes_only_its_positions():
@@ -70,20 +72,6 @@ def test_corrupted_owned_block_changes_only_its_positions():
     dirty = simulated_gather(plan, caches)
     changed = (view_of(plan, dirty, 0) != view_of(plan, clean, 0)).flatten(1).any(1)
     assert changed.nonzero().flatten().tolist() == [1]
-
-
-def test_scratch_slots_write_new_tokens():
-    n = 2
-    table, lens, caches = make_batch(n, [33, 5], seed=5)
-    plan = plan_materialization(spec(n), table, lens)
-    scratch = simulated_gather(plan, caches)
-    req = torch.tensor([0, 0, 1])
-    pos = torch.tensor([31, 32, 4])
-    rows = torch.randn(3, D).to(torch.bfloat16)
-    write_new(scratch, BS, plan.scratch_slot_mapping(req, pos), rows)
-    for k in range(3):
-        view = view_of(plan, scratch, int(req[k]))
-        assert torch.equal(view[int(pos[k]) // BS, int(pos[k]) % BS], rows[k])
 
 
 def test_scratch_pool_is_bounded_and_reused():

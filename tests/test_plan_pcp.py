@@ -2,8 +2,8 @@
 chunks of the same requests (vLLM's own DualChunkSwap split, taken from its
 ``PCPManager``), yet the gather is a collective, so every rank must derive
 the same plan (``plan_split_requests``), and each local row must see its
-own context through its translated table (checked against a brute-force
-read from the owners)."""
+own context through its translated table (checked against each token read
+from where vLLM's slot-mapping kernel stored it, tests/reference.py)."""
 
 import numpy as np
 import pytest
@@ -12,7 +12,8 @@ import torch
 from builders import BS, make_batch, spec
 from conftest import needs_vllm
 from vllm_cp_kv.core import debug
-from vllm_cp_kv.core.plan import brute_force_full_view, plan_split_requests
+from reference import full_view, tokens_of
+from vllm_cp_kv.core.plan import plan_split_requests
 
 pytestmark = needs_vllm
 
@@ -55,7 +56,7 @@ def test_every_rank_derives_the_same_plan(n, name):
     keys = np.array([7, 3, 11, 0, 5])[: len(sched)]  # request-state indices
     state_table = torch.zeros(16, table.shape[1], dtype=table.dtype)
     state_table[torch.as_tensor(keys)] = table
-    ref = brute_force_full_view(spec(n), table, torch.as_tensor(total), caches)
+    ref = full_view(table, total, caches, BS, n)
     plans = []
     for rank in range(n):
         rows = local_rows(manager(n, rank, dcp=n), rank, sched, computed, prefilling)
@@ -66,7 +67,8 @@ def test_every_rank_derives_the_same_plan(n, name):
         scratch = torch.cat([caches[r][plan.send_block_ids[r]] for r in range(n)])
         for (g, reads), row in zip(rows, full):
             nb = -(-reads // BS)
-            assert torch.equal(scratch[row[:nb].long()], ref[g][:nb]), (name, rank, g)
+            got = tokens_of(scratch[row[:nb].long()], reads)
+            assert torch.equal(got, ref[g][:reads]), (name, rank, g)
         plans.append(plan)
     for plan in plans[1:]:
         assert torch.equal(plan.send_block_ids, plans[0].send_block_ids)

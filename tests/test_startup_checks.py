@@ -1,7 +1,10 @@
 """One test per row of docs/startup-checks.md: the real vLLM config path
 (``EngineArgs.create_engine_config``, no workers) raises with the
-documented message. Also: what the plugin derives, and that nothing
-changes without the opt-in."""
+documented message; rows that need a GPU platform run the same path with
+the plugin's platform query answering "GPU", and the two rows checked when
+a worker picks its backend call that check with vLLM's real backend
+classes. Also: what the plugin derives, what it keeps of the user's
+settings, and that nothing changes without the opt-in."""
 
 import json
 import os
@@ -106,17 +109,7 @@ def test_row_sparse_backend():
 
 
 def test_row_hisparse(tiny_dsv2):
-    from types import SimpleNamespace
-
-    from vllm_cp_kv.integration import checks
-    from vllm_cp_kv.integration.options import CPKVOptions
-
-    model = config(tiny_dsv2).model_config  # a real MLA model config
-    cfg = SimpleNamespace(model_config=model,
-                          attention_config=SimpleNamespace(hisparse_config=object()))
-    with pytest.raises(ValueError) as info:
-        checks.check_vllm_config(cfg, CPKVOptions(enable=True))
-    assert any(m in str(info.value) for m in DOC["hisparse"])
+    expect_row("hisparse", tiny_dsv2, attention_config={"hisparse_config": {}})
 
 
 def test_row_group_size_1(tiny_dsv2):
@@ -133,34 +126,60 @@ def test_row_pcp_and_tp(tiny_dsv2):
     expect_row("pcp-and-tp", tiny_dsv2, prefill_context_parallel_size=2)
 
 
-def _gpu_args(**kw):
-    """Engine args as the checks read them, for rows that need a GPU platform
-    (this machine is CPU-only: the platform query is replaced)."""
-    from types import SimpleNamespace
+def test_row_cuda_graphs(tiny_dsv2, dsv32_model, monkeypatch):
+    # GPU rows on this CPU machine: the real config path with the plugin's
+    # platform query answering "GPU" (the check runs before vLLM's own)
+    monkeypatch.setattr(checks_module(), "_on_gpu", lambda: True)
+    materialize = {"cp_kv": {"enable": True, "decode": "materialize"}}
+    expect_row("cuda-graphs", tiny_dsv2, enforce_eager=False,
+               additional_config=materialize)
+    expect_row("cuda-graphs", tiny_dsv2, enforce_eager=False,
+               compilation_config={"cudagraph_mode": "FULL"})
+    expect_row("cuda-graphs", dsv32_model, enforce_eager=False)
+    # allowed: the shard-aware decode with decode-only full graphs
+    from vllm.engine.arg_utils import EngineArgs
 
-    base = dict(tensor_parallel_size=1, prefill_context_parallel_size=2,
-                pipeline_parallel_size=1, worker_cls="auto", enforce_eager=True,
-                kv_transfer_config=None)
-    return SimpleNamespace(**{**base, **kw})
-
-
-def _expect_gpu_row(row, monkeypatch, **kw):
-    from vllm_cp_kv.integration import checks
+    from vllm_cp_kv.integration.checks import check_engine_args
     from vllm_cp_kv.integration.options import CPKVOptions
 
-    monkeypatch.setattr(checks, "_on_gpu", lambda: True)
+    for mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", None):
+        args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=2, enforce_eager=False,
+                          compilation_config={"cudagraph_mode": mode} if mode else {})
+        check_engine_args(args, CPKVOptions(enable=True))
+        assert args.decode_context_parallel_size == 2
+
+
+def test_row_pcp_connector(tiny_dsv2, monkeypatch):
+    monkeypatch.setattr(checks_module(), "_on_gpu", lambda: True)
+    expect_row("pcp-connector", tiny_dsv2, tensor_parallel_size=1,
+               prefill_context_parallel_size=2, enforce_eager=True,
+               kv_transfer_config={"kv_connector": "ShardedKVConnector",
+                                   "kv_role": "kv_producer"})
+
+
+def test_row_decode_backend():
+    """GPU MLA backends whose decode kernel returns no LSE (here the real
+    backend classes of vLLM that import on a CPU machine; the LSE ones
+    pass)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_cp_kv.integration import checks
+
+    for name in ("FLASHMLA", "TRITON_MLA"):  # FLASH_ATTN_MLA needs its GPU library
+        backend = AttentionBackendEnum[name].get_class()
+        checks.check_decode_backend(backend, on_gpu=True, lse_decode=True)
+    no_lse = AttentionBackendEnum["CPU_MLA"].get_class()  # no LSE from its kernel
+    checks.check_decode_backend(no_lse, on_gpu=False, lse_decode=True)  # CPU: ours
+    checks.check_decode_backend(no_lse, on_gpu=True, lse_decode=False)  # materialize
     with pytest.raises(ValueError) as info:
-        checks.check_engine_args(_gpu_args(**kw), CPKVOptions(enable=True))
-    assert any(m in str(info.value) for m in DOC[row]), (row, str(info.value))
+        checks.check_decode_backend(no_lse, on_gpu=True, lse_decode=True)
+    assert any(m in str(info.value) for m in DOC["decode-backend"])
 
 
-def test_row_cuda_graphs(monkeypatch):
-    _expect_gpu_row("cuda-graphs", monkeypatch, enforce_eager=False)
+def checks_module():
+    from vllm_cp_kv.integration import checks
 
-
-def test_row_pcp_connector(monkeypatch):
-    _expect_gpu_row("pcp-connector", monkeypatch,
-                    kv_transfer_config={"kv_connector": "ShardedKVConnector"})
+    return checks
 
 
 def test_row_pp(tiny_dsv2):
@@ -182,10 +201,6 @@ def test_row_interleave_vs_platform_block_size(tiny_dsv2):
                cp_kv_cache_interleave_size=8)
 
 
-def test_row_prefix_caching(tiny_dsv2):
-    expect_row("prefix-caching", tiny_dsv2, enable_prefix_caching=True)
-
-
 def test_row_spec_decode(tiny_dsv2):
     expect_row("spec-decode", tiny_dsv2, speculative_config={
         "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
@@ -198,6 +213,17 @@ def test_row_worker_cls(tiny_dsv2):
 def test_row_bad_option(tiny_dsv2):
     expect_row("bad-option", tiny_dsv2, additional_config={"cp_kv": {"enable": True, "shards": 2}})
     expect_row("bad-option", tiny_dsv2, additional_config={"cp_kv": {"enable": "yes"}})
+    expect_row("bad-option", tiny_dsv2, additional_config={"cp_kv": {"enable": True,
+                                                                     "decode": "ring"}})
+
+
+def platform_block_size(model):
+    """The block size vLLM picks here without the plugin (16 with CPU_MLA on
+    CPUs without AMX, 32 with AMX_MLA when asked for)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, tensor_parallel_size=2, max_model_len=512,
+                      block_size=32).create_engine_config().cache_config.block_size
 
 
 def test_derived_settings(tiny_dsv2):
@@ -206,9 +232,22 @@ def test_derived_settings(tiny_dsv2):
     cfg = config(tiny_dsv2, block_size=32)
     p = cfg.parallel_config
     assert p.decode_context_parallel_size == 2
-    assert p.cp_kv_cache_interleave_size == cfg.cache_config.block_size == 32
+    block = cfg.cache_config.block_size
+    assert block == platform_block_size(tiny_dsv2)
+    assert p.cp_kv_cache_interleave_size == block
     assert p.worker_cls == WORKER_CLS
+    # on CPU: PyTorch's rope instead of vLLM's CPU rotary kernel
+    assert "-rotary_embedding" in cfg.compilation_config.custom_ops
+    # prefix caching stays as vLLM's default (on) with sharding, on every CPU
+    assert cfg.cache_config.enable_prefix_caching is True
+
+
+def test_user_settings_are_kept(tiny_dsv2):
+    cfg = config(tiny_dsv2, enable_prefix_caching=False,
+                 compilation_config={"custom_ops": ["all", "+rotary_embedding"]})
     assert cfg.cache_config.enable_prefix_caching is False
+    ops = cfg.compilation_config.custom_ops
+    assert "+rotary_embedding" in ops and "-rotary_embedding" not in ops
 
 
 def test_nothing_changes_without_the_opt_in(tiny_dsv2):
@@ -223,17 +262,18 @@ def test_nothing_changes_without_the_opt_in(tiny_dsv2):
     config(tiny_dsv2, tensor_parallel_size=1, additional_config={})
 
 
-def test_last_token_gather_alone_keeps_vllms_layout():
-    """kv_sharding=false: no derived DCP, PCP allowed (last-token gather only)."""
-    from types import SimpleNamespace
+def test_last_token_gather_alone_keeps_vllms_layout(tiny_dsv2):
+    """kv_sharding=false: no derived DCP, PCP allowed (last-token gather
+    only); the checks run on real engine args."""
+    from vllm.engine.arg_utils import EngineArgs
 
     from vllm_cp_kv.integration.checks import check_engine_args
     from vllm_cp_kv.integration.options import CPKVOptions
 
-    args = SimpleNamespace(tensor_parallel_size=1, prefill_context_parallel_size=2,
-                           pipeline_parallel_size=1, decode_context_parallel_size=1,
-                           worker_cls="auto")
+    args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=1,
+                      prefill_context_parallel_size=2)
     check_engine_args(args, CPKVOptions(enable=True, kv_sharding=False))
     assert args.decode_context_parallel_size == 1
+    assert "-rotary_embedding" not in args.compilation_config.custom_ops
     with pytest.raises(ValueError, match="GPU V2 model runner"):
         check_engine_args(args, CPKVOptions(enable=True))  # CPU: no PCP sharding

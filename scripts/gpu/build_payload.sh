@@ -22,7 +22,7 @@ if [ ! -f payload.tar.xz ] || [ ! -f payload.done ]; then
     opentelemetry-api==1.45.2 partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 pydantic==2.14.4 \
     pydantic_core==2.50.5 typing-inspection==0.4.5 pyzmq==27.3.0 xgrammar==0.2.8 setproctitle \
     depyf==0.20.0 astor dill nvtx==0.2.15 blake3 typing_extensions==4.16.0 compressed-tensors==0.17.0 \
-    loguru frozendict
+    loguru frozendict nixl-cu13==1.5.1 nixl==1.5.1
   rm -rf site; $PIP install -q --no-deps --no-compile $OPTS --target site whl/*.whl
   (cd site
    rm -f vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs triton/backends/nvidia/bin/ptxas-blackwell \

@@ -61,12 +61,13 @@ def check_plan_covers(plan: MaterializationPlan, block_table: torch.Tensor,
         for j in range(-(-int(n_tok) // spec.block_size)):
             idx = int(full[i, j])
             rank, k = divmod(idx, per_rank)
-            want = int(table[i, j // spec.size])
-            assert rank == j % spec.size and k < int(counts[rank]) and \
+            owner = spec.owner_of(j)
+            want = int(table[i, spec.table_index(j)])
+            assert rank == owner and k < int(counts[rank]) and \
                 int(send[rank, k]) == want, (
                     f"request {i} logical block {j}: scratch block {idx} holds "
                     f"rank {rank}'s block {int(send[rank, k])}, want rank "
-                    f"{j % spec.size}'s block {want}. The plan is stale or was "
+                    f"{owner}'s block {want}. The plan is stale or was "
                     "built from another block table.")
 
 
@@ -92,3 +93,24 @@ def check_plan_identical(plan: MaterializationPlan, cpu_group) -> None:
             f"rank {plan.spec.rank}: materialization plan differs from rank "
             f"{r} ({mine.tolist()} vs {other.tolist()}). Ranks were given "
             "different block tables or sequence lengths.")
+
+
+def check_decode_merge(merged: torch.Tensor, reference: torch.Tensor,
+                       spec: CPShardSpec) -> None:
+    """The LSE-merged decode output equals attention over the full view.
+
+    Tolerance: the two sum the same terms (thousands per row) in another
+    order in float32, then round to the output dtype: a few units of that
+    dtype's epsilon plus 1e-5 for the float32 sums, relative to the
+    output's magnitude. A layout error reads other tokens and is off by
+    the output's own magnitude.
+    """
+    got, want = merged.float(), reference.float()
+    eps = torch.finfo(merged.dtype).eps
+    tol = (8 * eps + 1e-5) * max(1.0, float(want.abs().max()))
+    err = float((got - want).abs().max()) if want.numel() else 0.0
+    assert err <= tol, (
+        f"rank {spec.rank}/{spec.size}: shard-aware decode differs from "
+        f"attention over the materialized full view by {err:.3g} (tolerance "
+        f"{tol:.3g}). A decode row's owned-token count or block table does "
+        "not match the layout, or the LSE merge is wrong.")

@@ -2,14 +2,13 @@
 
 Steps, all with the plan frozen for the batch:
 
-1. ``pack``: copy the owned blocks this rank sends into a contiguous buffer
-   (:func:`~vllm_cp_kv.core.kernels.pack_blocks`: Triton on GPU, torch
-   ``index_select`` elsewhere).
+1. ``pack``: copy the owned blocks this rank sends into its own slice of
+   the scratch (``index_select`` of whole blocks: the cache is opaque bytes
+   per block, so one copy serves every layout: the bf16 latent, the fp8
+   latent with scales, the sparse indexer's keys and scales; on H200 it
+   reaches 88% of the device-to-device copy bandwidth).
 2. ``gather``: one all-gather of the same size on every rank into the
    scratch full view, rank-major (``scratch[r * P + i]``).
-3. ``write_new``: the tokens computed this step go into the scratch at
-   ``plan.scratch_slot_mapping`` (every rank computed them), so the history
-   gather never has to wait for this step's KV.
 
 The persistent cache keeps only owned blocks; the scratch is temporary and
 is reused across layers (see :class:`ScratchPool`).
@@ -21,7 +20,6 @@ from typing import Callable
 
 import torch
 
-from .kernels import pack_blocks, scatter_rows
 from .plan import MaterializationPlan
 
 # all_gather_into(out, inp): out has shape [N * inp.shape[0], *inp.shape[1:]]
@@ -39,7 +37,9 @@ def pack(plan: MaterializationPlan, rank: int, kv_cache: torch.Tensor,
     ids = plan.send_block_ids[rank]
     if ids.device != kv_cache.device:
         ids = ids.to(kv_cache.device)
-    return pack_blocks(kv_cache, ids, out=out)
+    if out is None:
+        out = kv_cache.new_empty((ids.numel(), *kv_cache.shape[1:]))
+    return torch.index_select(kv_cache, 0, ids, out=out)
 
 
 def gather(plan: MaterializationPlan, rank: int, kv_cache: torch.Tensor,
@@ -67,20 +67,6 @@ def gather(plan: MaterializationPlan, rank: int, kv_cache: torch.Tensor,
     pack(plan, rank, kv_cache, out=local)
     all_gather_into(scratch, local)
     return scratch
-
-
-def write_new(scratch: torch.Tensor, block_size: int,
-              scratch_slots: torch.Tensor, new_kv: torch.Tensor) -> None:
-    """Write this step's new KV rows into the scratch.
-
-    Args:
-        scratch: ``[B, block_size, D]`` full view.
-        scratch_slots: ``[T]`` from ``plan.scratch_slot_mapping``.
-        new_kv: ``[T, D]`` rows in the cache's dtype.
-    """
-    assert scratch.shape[1] == block_size
-    scatter_rows(scratch, scratch_slots.to(scratch.device),
-                 new_kv.to(scratch.dtype))
 
 
 def all_gather_into_fn(group=None) -> AllGatherFn:
@@ -112,14 +98,17 @@ class ScratchPool:
         self.capacity_blocks = capacity_blocks
         self._buffers: dict[tuple, torch.Tensor] = {}
 
-    def get(self, plan: MaterializationPlan, like: torch.Tensor) -> torch.Tensor:
+    def get(self, plan: MaterializationPlan, like: torch.Tensor,
+            slot: int = 0) -> torch.Tensor:
+        """``slot``: 0, or 1 for the second buffer of a layer-ahead prefetch
+        (both counted in the budget by whoever sized the pool)."""
         n = plan.num_scratch_blocks
         if n > self.capacity_blocks:
             raise RuntimeError(
                 f"batch needs {n} scratch blocks but the pool holds "
                 f"{self.capacity_blocks}; the scheduler limits "
                 "(max_num_seqs x max_model_len) were exceeded.")
-        key = (tuple(like.shape[1:]), like.dtype, like.device)
+        key = (tuple(like.shape[1:]), like.dtype, like.device, slot)
         buf = self._buffers.get(key)
         if buf is None:
             buf = torch.empty((self.capacity_blocks, *like.shape[1:]),
@@ -144,8 +133,9 @@ class LayerPrefetcher:
             pf.release(l)                        # buffer may be refilled
 
     ``buffers`` are two tensors of at least ``plan.num_scratch_blocks``
-    blocks. The history gather never waits for this step's KV: write the
-    new rows with :func:`write_new` after :meth:`wait`.
+    blocks. A prefetched view holds what the cache held when
+    :meth:`start` ran: plan it for the cached context only (prefill rows
+    read their new tokens from the projections).
     """
 
     def __init__(self, plan: MaterializationPlan, rank: int,

@@ -58,6 +58,21 @@ class CPShardSpec:
         return list(range(rank, num_logical_blocks, self.size))
 
 
+def owned_token_count(seq_lens: torch.Tensor, spec: CPShardSpec) -> torch.Tensor:
+    """Tokens of each request (of ``seq_lens`` tokens) that ``spec.rank`` owns.
+
+    Whole blocks ``0 .. full - 1`` are dealt cyclically, so the rank owns
+    ``ceil((full - rank) / N)`` of them; the partial last block ``full``
+    (``seq % block_size`` tokens) belongs to ``owner_of(full)``.
+    """
+    seq = seq_lens.long()
+    bs, n, r = spec.block_size, spec.size, spec.rank
+    full = seq // bs
+    whole = torch.div(full - r + n - 1, n, rounding_mode="floor").clamp(min=0)
+    tail = torch.where(spec.owner_of(full) == r, seq % bs, torch.zeros_like(seq))
+    return whole * bs + tail
+
+
 def num_logical_blocks(num_tokens: int, block_size: int) -> int:
     """Blocks of ``block_size`` tokens needed to hold ``num_tokens`` tokens."""
     return -(-num_tokens // block_size)
@@ -89,14 +104,3 @@ def owned_slot_mapping(positions: torch.Tensor, req_indices: torch.Tensor,
     blocks = block_table[req_indices.long(), vblock.long()].long()
     slots = blocks * block_size + local_offset
     return torch.where(local, slots, torch.full_like(slots, pad_id))
-
-
-def brute_force_owned_counts(seq_lens, block_size: int, n: int) -> list[int]:
-    """Reference: tokens each of ``n`` ranks stores for sequences of
-    ``seq_lens`` tokens (logical block ``j`` on rank ``j % n``), by a plain
-    loop over positions (tests and GPU checks compare written rows to it)."""
-    counts = [0] * n
-    for length in seq_lens:
-        for pos in range(int(length)):
-            counts[(pos // block_size) % n] += 1
-    return counts

@@ -64,20 +64,6 @@ class MaterializationPlan:
         """Blocks in the scratch full view (``N * P``)."""
         return self.spec.size * self.blocks_per_rank
 
-    def scratch_slot_mapping(self, req_indices: torch.Tensor,
-                             positions: torch.Tensor) -> torch.Tensor:
-        """Scratch slot of each new token (for writing it into the scratch).
-
-        Args:
-            req_indices: ``[T]`` request index of each new token.
-            positions: ``[T]`` token position within its request.
-        Returns:
-            ``[T]`` int64 slot ids ``scratch_block * block_size + offset``.
-        """
-        bs = self.spec.block_size
-        blocks = self.full_block_table[req_indices.long(), (positions // bs).long()]
-        return blocks.long() * bs + positions.long() % bs
-
 
 class _PinnedRing:
     """Uploads small host index tensors without waiting for the GPU.
@@ -244,21 +230,3 @@ def plan_split_requests(spec: CPShardSpec, block_table: torch.Tensor,
     table = block_table[rows]
     plan = plan_materialization(spec, table, seq_lens, min_columns=min_columns)
     return plan, plan.full_block_table[local], table
-
-
-def brute_force_full_view(spec: CPShardSpec, block_table: torch.Tensor,
-                          seq_lens: torch.Tensor,
-                          rank_caches: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Reference: each request's logical blocks read straight from owners.
-
-    Returns one ``[num_logical_blocks, block_size, ...]`` tensor per request,
-    built by a Python loop over blocks (used by tests only).
-    """
-    out = []
-    for i, n_tok in enumerate(seq_lens.tolist()):
-        blocks = []
-        for j in range(-(-n_tok // spec.block_size)):
-            owner = j % spec.size
-            blocks.append(rank_caches[owner][int(block_table[i, j // spec.size])])
-        out.append(torch.stack(blocks) if blocks else rank_caches[0][:0])
-    return out

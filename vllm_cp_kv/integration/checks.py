@@ -4,7 +4,7 @@ Two stages, both run only when ``cp_kv.enable`` is set:
 
 * :func:`check_engine_args` runs on the user's ``EngineArgs`` before vLLM
   builds its config, and derives the settings sharding needs
-  (``decode_context_parallel_size``, prefix caching off).
+  (``decode_context_parallel_size``; on CPU, PyTorch's rope).
 * :func:`check_vllm_config` runs once the model config and the block size
   are known, and pins ``cp_kv_cache_interleave_size`` to the block size.
 
@@ -13,7 +13,11 @@ Every message is listed in docs/startup-checks.md; tests match them.
 
 from __future__ import annotations
 
+from vllm.logger import init_logger
+
 from .options import CPKVOptions
+
+logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
 
 class CPKVConfigError(ValueError):
@@ -56,11 +60,7 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             f"--prefill-context-parallel-size={pcp} is not supported yet; the KV "
             "shard group is the PCP group with TP 1, or the TP group without PCP.")
     if _on_gpu() and not args.enforce_eager:
-        # a captured graph would replay the gather of the capture batch's plan
-        raise CPKVConfigError(
-            "cp_kv: CUDA graphs are not supported with sharded KV yet (the "
-            "full-view gather is planned per batch); add --enforce-eager or "
-            "disable cp_kv.")
+        check_cuda_graphs(args.compilation_config, options)
     if pcp > 1 and getattr(args, "kv_transfer_config", None):
         raise CPKVConfigError(
             "cp_kv: a KV connector (--kv-transfer-config) with sharding over the "
@@ -92,19 +92,77 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             f"cp_kv: --cp-kv-cache-interleave-size={interleave} differs from "
             f"--block-size={args.block_size}; block ownership needs them equal. "
             "Remove --cp-kv-cache-interleave-size (cp_kv sets it).")
-    if args.enable_prefix_caching:
-        raise CPKVConfigError(
-            "cp_kv: prefix caching is not supported with sharded KV yet; "
-            "add --no-enable-prefix-caching or disable cp_kv.")
     if args.speculative_config:
         raise CPKVConfigError(
             "cp_kv: speculative decoding is not supported with sharded KV; "
             "remove --speculative-config or disable cp_kv.")
+    check_hisparse(args.attention_config)
     # Before vLLM's own DCP validation, which would reject a non-MLA model
     # with a message that does not mention cp_kv.
-    check_model(args.create_model_config())
+    model_config = args.create_model_config()
+    check_model(model_config)
+    if _on_gpu() and not args.enforce_eager and \
+            getattr(model_config.hf_text_config, "index_topk", None):
+        raise CPKVConfigError(
+            "cp_kv: CUDA graphs with sharded KV need the shard-aware decode, which "
+            "sparse-attention (DeepSeek-V3.2) models do not use (their decode "
+            "reads a materialized full view, planned per batch); add "
+            "--enforce-eager or disable cp_kv.")
     args.decode_context_parallel_size = size
-    args.enable_prefix_caching = False
+    if not _on_gpu():
+        derive_torch_rope(args.compilation_config)
+
+
+GRAPH_MODES = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE")
+
+
+def check_cuda_graphs(compilation_config, options: CPKVOptions) -> None:
+    """CUDA graphs: only decode batches may be captured whole.
+
+    A full-view gather is planned per batch (its size depends on the
+    batch's blocks), so batches with prefills must stay outside full graphs
+    (vLLM's FULL_DECODE_ONLY, FULL_AND_PIECEWISE, or PIECEWISE, where
+    attention runs eagerly between the graph pieces). Decode batches need
+    no plan with the shard-aware decode (``cp_kv.decode = "lse"``): queries,
+    partial outputs and LSEs have the batch's fixed shapes.
+    """
+    if options.decode != "lse":
+        raise CPKVConfigError(
+            "cp_kv: CUDA graphs with sharded KV need the shard-aware decode "
+            "(cp_kv.decode='lse'); the materializing decode plans a gather per "
+            "batch. Remove cp_kv.decode, or add --enforce-eager.")
+    mode = getattr(compilation_config, "cudagraph_mode", None)
+    name = getattr(mode, "name", mode)
+    if name is not None and name not in GRAPH_MODES + ("NONE",):
+        raise CPKVConfigError(
+            f"cp_kv: cudagraph_mode {name} would capture prefill batches, whose "
+            "full-view gather is planned per batch; use one of "
+            f"{', '.join(GRAPH_MODES)} (vLLM's default is FULL_AND_PIECEWISE) or "
+            "--enforce-eager.")
+
+
+CPU_ROPE_OP = "rotary_embedding"
+
+
+def derive_torch_rope(compilation_config) -> None:
+    """CPU: run MLA's rope with PyTorch instead of vLLM 0.32's CPU kernel.
+
+    vLLM 0.32's CPU rotary kernel (``torch.ops._C.rotary_embedding``) is
+    wrong on MLA's tensors: it mis-rotates the strided ``q[..., nope:]`` and,
+    for ``k_pe`` (a strided view into ``kv_a_proj``'s output), uses the wrong
+    token stride and overwrites other tokens' ``kv_c``. Its output then
+    depends on the memory and batch layout, so a sharded run (another
+    layout) and an unsharded run give different tokens although neither is
+    right; with PyTorch's rope both equal a correct run (docs/design.md). A
+    user who asks for the kernel (``+rotary_embedding``) keeps it.
+    """
+    ops = compilation_config.custom_ops
+    if f"+{CPU_ROPE_OP}" in ops:
+        logger.warning("cp_kv: --compilation-config asks for vLLM's CPU rotary "
+                       "kernel (+%s), which is wrong for MLA (outputs then "
+                       "depend on the batch layout); keeping it.", CPU_ROPE_OP)
+    elif f"-{CPU_ROPE_OP}" not in ops:
+        ops.append(f"-{CPU_ROPE_OP}")
 
 
 SPARSE_BACKENDS = ("FLASH_ATTN_MLA_SPARSE", "FLASHMLA_SPARSE")
@@ -135,6 +193,30 @@ def check_model(model_config) -> None:
             "no sparse MLA backend on this platform); disable cp_kv here.")
 
 
+LSE_DECODE_BACKENDS = ("FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA")
+
+
+def check_decode_backend(backend: type, on_gpu: bool, lse_decode: bool) -> None:
+    """``cp_kv.decode = "lse"`` needs partial attention with its LSE: on CPU
+    the plugin's own (torch), on GPU the backend's decode kernel."""
+    if not (lse_decode and on_gpu):
+        return
+    if not getattr(backend.get_impl_cls(), "can_return_lse_for_decode", False):
+        raise CPKVConfigError(
+            f"cp_kv: the MLA backend {backend.get_name()} returns no softmax LSE "
+            "from its decode kernel, which the shard-aware decode "
+            "(cp_kv.decode='lse') merges by; use --attention-backend one of "
+            f"{', '.join(LSE_DECODE_BACKENDS)}, or set cp_kv.decode to "
+            "'materialize'.")
+
+
+def check_hisparse(attention_config) -> None:
+    if getattr(attention_config, "hisparse_config", None) is not None:
+        raise CPKVConfigError(
+            "cp_kv: HiSparse (host-backed sparse KV) is not supported with sharded "
+            "KV; remove the HiSparse config or disable cp_kv.")
+
+
 def check_sparse_backend(name: str) -> None:
     """Sparse MLA backends whose full-view materialization is verified."""
     if name not in SPARSE_BACKENDS:
@@ -149,10 +231,7 @@ def check_vllm_config(vllm_config, options: CPKVOptions) -> None:
     if vllm_config.model_config is None or not options.kv_sharding:
         return
     check_model(vllm_config.model_config)
-    if getattr(vllm_config.attention_config, "hisparse_config", None) is not None:
-        raise CPKVConfigError(
-            "cp_kv: HiSparse (host-backed sparse KV) is not supported with sharded "
-            "KV; remove the HiSparse config or disable cp_kv.")
+    check_hisparse(vllm_config.attention_config)
     parallel = vllm_config.parallel_config
     block_size = vllm_config.cache_config.block_size
     if block_size is None:
@@ -165,3 +244,25 @@ def check_vllm_config(vllm_config, options: CPKVOptions) -> None:
             f"({block_size}); block ownership needs them equal. Remove "
             "--cp-kv-cache-interleave-size (cp_kv sets it).")
     parallel.cp_kv_cache_interleave_size = block_size
+
+
+def keep_prefix_caching(vllm_config, options: CPKVOptions, wanted: bool) -> None:
+    """Undo vLLM's CPU rule "MLA without AMX_MLA: no prefix caching" for
+    sharded runs (after the platform hook; ``wanted``: the setting before it).
+
+    vLLM turns prefix caching off for MLA on CPU unless the backend is
+    AMX_MLA, because CPU_MLA's prefill cannot attend to a cached context.
+    The sharded backend gathers that context into the full view and runs
+    such prefills itself (``backend.OWN_PREFILL_BACKENDS``), so a cache hit
+    works there too.
+    """
+    cache = vllm_config.cache_config
+    if not (options.kv_sharding and wanted) or cache.enable_prefix_caching:
+        return
+    if _on_gpu() or vllm_config.model_config is None or \
+            not vllm_config.model_config.use_mla:
+        return
+    cache.enable_prefix_caching = True
+    logger.info("cp_kv: prefix caching kept on for MLA on CPU (vLLM turns it off "
+                "for CPU_MLA; the sharded backend reads a cached context through "
+                "the full view).")

@@ -33,7 +33,7 @@ from vllm.v1.worker.gpu.pcp_manager import PCPManager
 from ..core.last_token import (full_bytes, gather_sampled_rows, narrow_bytes,
                                plan_sampled_rows)
 from .options import debug_enabled
-from .runtime import make_all_gather_into
+from .runtime import current_runtime, make_all_gather_into
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
@@ -97,6 +97,9 @@ class LastTokenPCPManager(PCPManager):
         if getattr(batch, "has_prefill", False):
             stats["prefill_steps"] += 1
             stats["prefill_bytes_saved"] += full - moved
+        runtime = current_runtime()
+        if runtime is not None and runtime.metrics is not None:
+            runtime.metrics.observe_last_token(full - moved)
 
 
 def runner_full_gather_reason(runner, input_batch) -> str | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 DEBUG_ENV = "VLLM_CP_KV_DEBUG"
+DECODE_MODES = ("lse", "materialize")
 
 
 def debug_enabled() -> bool:
@@ -29,6 +30,14 @@ class CPKVOptions:
     # Shard the KV cache. False keeps vLLM's layout and only installs the
     # last-token gather (for PCP > 1 until PCP sharding lands).
     kv_sharding: bool = True
+    # Decode rows: "lse" attends to each rank's owned blocks and merges the
+    # partial outputs by log-sum-exp (bytes per step independent of the
+    # context); "materialize" gathers the full view as prefill does. Sparse
+    # (DeepSeek-V3.2) models always materialize.
+    decode: str = "lse"
+    # GPU: gather layer l + 1's full view on a side stream while layer l
+    # computes (prefill materialization); reserves a second scratch buffer.
+    prefetch: bool = False
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> "CPKVOptions":
@@ -45,10 +54,18 @@ class CPKVOptions:
         if unknown:
             raise ValueError(
                 f"unknown cp_kv option(s) {unknown}; accepted: {sorted(known)}.")
-        for key in ("enable", "last_token_gather", "kv_sharding"):
+        for key in ("enable", "last_token_gather", "kv_sharding", "prefetch"):
             if not isinstance(raw.get(key, False), bool):
                 raise ValueError(
                     f"cp_kv.{key} must be true or false, got {raw[key]!r}.")
+        if raw.get("decode", "lse") not in DECODE_MODES:
+            raise ValueError(
+                f"cp_kv.decode must be one of {list(DECODE_MODES)}, got "
+                f"{raw['decode']!r}.")
+        scratch = raw.get("max_scratch_blocks", 0)
+        if not isinstance(scratch, int) or isinstance(scratch, bool) or scratch < 0:
+            raise ValueError(
+                f"cp_kv.max_scratch_blocks must be an integer >= 0, got {scratch!r}.")
         return cls(**raw)
 
 

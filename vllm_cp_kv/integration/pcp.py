@@ -14,8 +14,13 @@ over the PCP group needs, and :func:`make_runner_cls` selects it through
   metadata builder derives the same plan.
 * **MoE padding.** Under PCP vLLM's MoE layers route the PCP-gathered tokens
   but read the rank-local padding mask (vLLM 0.32: ``topk_softmax ...
-  is_padding size mismatch``); the manager records the gathered mask and the
-  plugin hands it to the forward context (``plugin._patch_forward_context``).
+  is_padding size mismatch``); the manager records the gathered mask in the
+  step's context and the plugin hands it to the forward context
+  (``plugin.patch_forward_context``).
+
+Both records go into the step's
+:class:`~vllm_cp_kv.integration.runtime.BatchContext`, which the worker opens
+for each ``execute_model``.
 """
 
 from __future__ import annotations
@@ -27,21 +32,7 @@ from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
 from .last_token import LastTokenPCPManager, bound_manager_cls
 from .options import options_of
-from .runtime import PCPStep, record_pcp_step
-
-_GATHERED_PADDING: tuple | None = None  # (local mask, PCP-gathered mask)
-
-
-def gathered_padding(is_padding: torch.Tensor, pcp_size: int) -> torch.Tensor:
-    """The padding mask of the PCP-gathered tokens (rank-major).
-
-    For a real step it is the one the manager recorded for this local mask;
-    dummy and profile runs are identical on every rank, so their mask
-    repeats.
-    """
-    if _GATHERED_PADDING is not None and _GATHERED_PADDING[0] is is_padding:
-        return _GATHERED_PADDING[1]
-    return is_padding.repeat(pcp_size)
+from .runtime import PCPStep, current_runtime
 
 
 def rank_token_counts(manager: PCPManager, num_scheduled, is_prefilling) -> list[int]:
@@ -75,36 +66,35 @@ class CPKVPCPManager(LastTokenPCPManager):
             parallel.decode_context_parallel_size = dcp
 
     def partition_batch(self, input_batch, batch_desc):
-        global _GATHERED_PADDING
-        record_pcp_step(None)  # nothing of an earlier, failed step survives
-        _GATHERED_PADDING = None
         local = super().partition_batch(input_batch, batch_desc)
+        runtime = current_runtime()
+        if runtime is None:  # before the first sharded build: nothing to share
+            return local
+        batch = runtime.new_batch()  # a new batch, also for vLLM's dummy runs
         g = self.global_batch
+        n = g.num_reqs
         sched = np.asarray(g.num_scheduled_tokens)
-        record_pcp_step(PCPStep(
-            keys=np.asarray(g.idx_mapping_np[: g.num_reqs]).copy(),
-            seq_lens=(np.asarray(g.num_computed_tokens_np[: g.num_reqs])
-                      + sched[: g.num_reqs]).astype(np.int64),
-            row_keys=np.asarray(local.idx_mapping_np[: local.num_reqs]).copy()))
+        batch.pcp_step = PCPStep(
+            keys=np.asarray(g.idx_mapping_np[:n]).copy(),
+            seq_lens=(np.asarray(g.num_computed_tokens_np[:n])
+                      + sched[:n]).astype(np.int64),
+            is_prefill=np.asarray(g.is_prefilling_np[:n], dtype=bool).copy(),
+            row_keys=np.asarray(local.idx_mapping_np[: local.num_reqs]).copy())
         mask = gathered_padding_mask(rank_token_counts(self, sched, g.is_prefilling_np),
                                      local.is_padding.shape[0])
-        _GATHERED_PADDING = (local.is_padding, mask.to(self.device, non_blocking=True))
+        batch.padding = (local.is_padding, mask.to(self.device, non_blocking=True))
         return local
 
     def restore_for_sampling(self, hidden_states, aux_hidden_states):
-        global _GATHERED_PADDING
-        record_pcp_step(None)
-        _GATHERED_PADDING = None
+        runtime = current_runtime()
+        if runtime is not None:
+            runtime.end_batch()  # the batch's forward is over
         return super().restore_for_sampling(hidden_states, aux_hidden_states)
 
 
 def make_runner_cls():
     """vLLM's V2 GPU model runner selecting :class:`CPKVPCPManager`."""
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-
-    from .plugin import patch_forward_context
-
-    patch_forward_context()  # PCP + MoE padding mask (plugin.py, patch 5)
 
     class CPKVModelRunner(GPUModelRunner):
         @property

@@ -1,55 +1,79 @@
-"""Plugin entry: the one place where vLLM internals are patched.
+"""Plugin entry, and the one place where vLLM internals are rebound.
 
 ``register()`` runs in every vLLM process (``vllm.general_plugins`` entry
-point). Each patch below is inert unless the running config has
+point). Every rebinding below is inert unless the running config has
 ``additional_config={"cp_kv": {"enable": true}}``; installed but not
-enabled, the plugin changes nothing.
+enabled, the plugin changes nothing. Other modules never assign into vLLM:
+they build wrapped classes or functions, and this module installs them.
 
-Patches, and why each is needed:
+=====  ===============================================  ==========  =========
+no.    target (vLLM 0.32)                               installed   scope
+=====  ===============================================  ==========  =========
+1      ``EngineArgs.create_engine_config``              register    process
+2      ``Platform.check_and_update_config``             register    process
+3      ``Platform.update_block_size_for_backend``       register    process
+4      ``attention.selector._cached_get_attn_backend``  register    process
+5      ``cp_utils.check_attention_cp_compatibility``    register    process
+       (and the model runners' imported names)
+6      ``cpu_triton_utils._compute_slot_mapping_...``   register    CPU only
+7      ``InputProcessor._validate_params``              register    process
+8      ``get_dcp_group`` in vLLM's MLA modules and      ``with``    scoped
+       ``parallel_config.decode_context_parallel_size`` block
+9      V2 ``model_runner.set_forward_context``          worker      PCP only
+10     ``DeepseekV32IndexerCache.get_attn_backend`` and worker      sparse
+       ``deepseek_v32.attention.sparse_attn_indexer``
+=====  ===============================================  ==========  =========
 
-1. ``EngineArgs.create_engine_config``: run the startup checks on the user's
-   arguments and derive ``decode_context_parallel_size`` (vLLM's sharded
-   block layout) before vLLM validates its config, so vLLM's own DCP checks
-   still apply.
-2. ``current_platform.check_and_update_config`` and
-   ``update_block_size_for_backend``: once the platform has fixed the block
-   size (the second runs in each worker, after the attention backend is
-   known), pin ``cp_kv_cache_interleave_size`` to it (block ownership), and
-   install :class:`~vllm_cp_kv.integration.worker.ShardedKVWorker`.
-3. ``selector._cached_get_attn_backend``: wrap the platform's MLA backend
-   (dense or sparse) in the materializing backend (the CPU platform ignores
-   ``--attention-backend`` for custom backends, so registration alone would
-   not reach it); the platform chooses it as for an unsharded run.
-4. ``check_attention_cp_compatibility`` in both model runners: vLLM demands
-   an LSE-returning decode kernel under DCP because its DCP attention merges
-   partial results; a materialized full view needs no merge.
-5. GPU V2 runner, ``set_forward_context`` as the runner imported it: under
-   PCP, vLLM's MoE layers route the PCP-gathered tokens but slice the
-   rank-local padding mask, which fails (``topk_softmax ... is_padding size
-   mismatch``, vLLM 0.32); hand them the gathered mask (``pcp.py``;
-   installed when a worker builds the V2 runner).
-6. CPU only, ``cpu_triton_utils._compute_slot_mapping_kernel_impl``: vLLM's
-   C++ stand-in for the slot-mapping kernel asserts CP size 1; sharded
+Why each is needed:
+
+1. Run the startup checks on the user's arguments and derive the settings
+   sharding needs (``decode_context_parallel_size``, on CPU PyTorch's rope)
+   before vLLM validates its config, so vLLM's own DCP checks still apply.
+2. Once the platform has fixed the block size, pin
+   ``cp_kv_cache_interleave_size`` to it (block ownership) and install
+   :class:`~vllm_cp_kv.integration.worker.ShardedKVWorker`. On CPU with the
+   CPU_MLA backend vLLM turns prefix caching off because that backend's
+   prefill cannot read a cached context; the sharded backend reads it
+   through the full view, so a sharded run keeps what the user asked for.
+3. Workers finalize the block size for the chosen backend later (FLASHMLA
+   raises it to 64): pin the interleave again.
+4. Wrap the platform's MLA backend (dense or sparse) in the sharded backend
+   (``backend.py``); the CPU platform ignores ``--attention-backend`` for
+   custom backends, so registration alone would not reach it. The platform
+   chooses as for an unsharded run.
+5. vLLM demands an LSE-returning decode kernel under DCP because its DCP
+   attention merges partial results; the sharded backend reads a full view
+   or merges by itself, so its layers are exempt.
+6. vLLM's C++ stand-in for the slot-mapping kernel asserts CP size 1; sharded
    launches get the same arithmetic in torch (unsharded ones are untouched).
-
-One more, scoped to a ``with`` block in ``backend.py`` (``unsharded_view``):
-while a materializing builder or impl initializes, or a backend is chosen,
-vLLM's MLA code sees a DCP group of size 1, since it reads a full view
-rather than merging shards. Sparse (DeepSeek-V3.2) models get two more
-bindings, installed by the sharded worker before the model is built: see
-``sparse.py``.
+7. Malformed ``kv_transfer_params`` for the cp_kv connector get an HTTP 400
+   with the reason before they reach the engine (the connector module
+   provides the check; inert for other connectors).
+8. While a sharded builder or impl initializes, or a backend is chosen,
+   vLLM's MLA code must see DCP off: it reads a full view (or merges by
+   itself), and with DCP > 1 vLLM would pick other kernel paths (see
+   :func:`unsharded_view`).
+9. Under PCP, vLLM 0.32's MoE layers route the PCP-gathered tokens but slice
+   the rank-local padding mask (``topk_softmax ... is_padding size
+   mismatch``); hand them the gathered mask the PCP manager recorded.
+10. Sparse (DeepSeek-V3.2) models: the indexer cache's builder plans with the
+    latent and sees the full view, and vLLM's indexer op runs on the full
+    view (``sparse.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 
 from vllm.logger import init_logger
 
-from .options import options_of, CPKVOptions
+from .options import CPKVOptions, options_of
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
 _INSTALLED = False
+_WORKER_PATCHES: set[str] = set()
 WORKER_CLS = "vllm_cp_kv.integration.worker.ShardedKVWorker"
 
 
@@ -61,6 +85,7 @@ def _sharding(vllm_config) -> bool:
     return _enabled(vllm_config) and options_of(vllm_config).kv_sharding
 
 
+# -- 1 ----------------------------------------------------------------------
 def _patch_engine_args() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -78,6 +103,7 @@ def _patch_engine_args() -> None:
     EngineArgs.create_engine_config = create_engine_config
 
 
+# -- 2, 3 -------------------------------------------------------------------
 def _patch_platform() -> None:
     from vllm.platforms import current_platform
 
@@ -85,17 +111,18 @@ def _patch_platform() -> None:
     orig = platform_cls.check_and_update_config.__func__
 
     def check_and_update_config(cls, vllm_config) -> None:
+        cache = getattr(vllm_config, "cache_config", None)
+        wanted = getattr(cache, "enable_prefix_caching", False)
         orig(cls, vllm_config)
         if _enabled(vllm_config):
-            from .checks import check_vllm_config
+            from .checks import check_vllm_config, keep_prefix_caching
 
             check_vllm_config(vllm_config, options_of(vllm_config))
+            keep_prefix_caching(vllm_config, options_of(vllm_config), wanted)
             vllm_config.parallel_config.worker_cls = WORKER_CLS
 
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
 
-    # Workers finalize the block size for the chosen attention backend later
-    # (FLASHMLA needs 64): pin the interleave to that final size again.
     orig_update = platform_cls.update_block_size_for_backend.__func__
 
     def update_block_size_for_backend(cls, vllm_config) -> None:
@@ -108,6 +135,7 @@ def _patch_platform() -> None:
     platform_cls.update_block_size_for_backend = classmethod(update_block_size_for_backend)
 
 
+# -- 4 ----------------------------------------------------------------------
 def _patch_backend_selector() -> None:
     from vllm.v1.attention import selector
 
@@ -120,8 +148,10 @@ def _patch_backend_selector() -> None:
         vllm_config = get_current_vllm_config_or_none()
         if not (attn_selector_config.use_mla and _sharding(vllm_config)):
             return orig(backend, attn_selector_config, *args, **kwargs)
-        from .backend import sharded_backend, unsharded_view
-        from .checks import check_sparse_backend
+        from vllm.platforms import current_platform
+
+        from .backend import lse_decode_enabled, sharded_backend
+        from .checks import check_decode_backend, check_sparse_backend
 
         # choose as an unsharded run would (FLASH_ATTN_MLA_SPARSE declines DCP)
         unsharded = attn_selector_config._replace(use_dcp=False)
@@ -129,14 +159,15 @@ def _patch_backend_selector() -> None:
             cls = orig(backend, unsharded, *args, **kwargs)
         if attn_selector_config.use_sparse:
             check_sparse_backend(cls.get_name())
-        return sharded_backend(cls)
+        check_decode_backend(cls, current_platform.is_cuda_alike(),
+                             lse_decode_enabled(vllm_config, attn_selector_config.use_sparse))
+        return sharded_backend(cls, unsharded_view)
 
     selector._cached_get_attn_backend = cached_get_attn_backend
 
 
+# -- 5 ----------------------------------------------------------------------
 def _patch_cp_compat_check() -> None:
-    import importlib
-
     from vllm.v1.worker import cp_utils
 
     orig = cp_utils.check_attention_cp_compatibility
@@ -150,7 +181,7 @@ def _patch_cp_compat_check() -> None:
 
             layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
             keep = {name for name, layer in layers.items() if not getattr(
-                getattr(layer, "impl", None), "materializes_full_view", False)}
+                getattr(layer, "impl", None), "cp_kv_sharded", False)}
             if target_layer_names is not None:
                 keep &= set(target_layer_names)
             target_layer_names = keep
@@ -166,52 +197,8 @@ def _patch_cp_compat_check() -> None:
             module.check_attention_cp_compatibility = check
 
 
-def register() -> None:
-    """``vllm.general_plugins`` entry point (idempotent)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    _INSTALLED = True
-    _patch_engine_args()
-    _patch_platform()
-    _patch_backend_selector()
-    _patch_cp_compat_check()
-    _patch_cpu_slot_mapping()
-
-
-def patch_forward_context() -> None:
-    """PCP + MoE: the gathered tokens' padding mask (see item 5 above).
-
-    Installed by ``pcp.make_runner_cls`` when a worker builds vLLM's V2
-    runner (idempotent), so processes that never build it import nothing.
-    """
-    from vllm.v1.worker.gpu import model_runner
-
-    orig = model_runner.set_forward_context
-    if getattr(orig, "_cp_kv", False):
-        return
-
-    @functools.wraps(orig)
-    def set_forward_context(attn_metadata, vllm_config, *args, is_padding=None,
-                            **kwargs):
-        pcp = vllm_config.parallel_config.prefill_context_parallel_size
-        if is_padding is not None and pcp > 1 and _enabled(vllm_config):
-            from .pcp import gathered_padding
-
-            is_padding = gathered_padding(is_padding, pcp)
-        return orig(attn_metadata, vllm_config, *args, is_padding=is_padding,
-                    **kwargs)
-
-    set_forward_context._cp_kv = True
-    model_runner.set_forward_context = set_forward_context
-
-
+# -- 6 ----------------------------------------------------------------------
 def _patch_cpu_slot_mapping() -> None:
-    """CPU only: vLLM's C++ stand-in for the slot-mapping Triton kernel
-    asserts ``TOTAL_CP_WORLD_SIZE == 1``; give it the sharded arithmetic.
-
-    Unsharded launches still go to vLLM's own implementation.
-    """
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -247,3 +234,121 @@ def _patch_cpu_slot_mapping() -> None:
         slot_mapping[n:max_num_tokens] = PAD_ID
 
     cpu_tl._compute_slot_mapping_kernel_impl = compute_slot_mapping
+
+
+# -- 7 ----------------------------------------------------------------------
+def _patch_input_processor() -> None:
+    try:
+        from .connector.params import patch_input_processor
+    except ImportError:  # the connector package predates the hook
+        return
+    patch_input_processor()
+
+
+# -- 8 ----------------------------------------------------------------------
+class _SingleRankGroup:
+    world_size = 1
+    rank_in_group = 0
+
+
+# Modules whose builders or impls read the DCP group while initializing.
+_DCP_READERS = (
+    "vllm.model_executor.layers.attention.mla_attention",
+    "vllm.model_executor.layers.attention.sparse_mla_attention",
+    "vllm.v1.attention.backends.mla.indexer",
+)
+
+
+@contextlib.contextmanager
+def unsharded_view(vllm_config):
+    """Make vLLM's MLA code initialize (or select a backend) as if DCP were off.
+
+    Why: with DCP > 1 the MLA builders expect the layer's LSE-merging
+    ``MLADCPManager``, kernels without DCP varlen support (FLASH_ATTN_MLA
+    with interleave > 1) send short prefills down the prefill path instead
+    of the decode kernel, FLASH_ATTN_MLA_SPARSE declines to be selected and
+    FLASHMLA_SPARSE switches to vLLM's own PCP+DCP gather. The sharded
+    kernels read a complete materialized view (prefill) or merge their
+    partial decode outputs themselves, so all of them must initialize
+    exactly as unsharded (same kernel per request as an unsharded run).
+    """
+    parallel = vllm_config.parallel_config
+    modules = [importlib.import_module(name) for name in _DCP_READERS]
+    saved = [m.get_dcp_group for m in modules]
+    orig_dcp = parallel.decode_context_parallel_size
+    for m in modules:
+        m.get_dcp_group = lambda: _SingleRankGroup()
+    parallel.decode_context_parallel_size = 1
+    try:
+        yield
+    finally:
+        for m, fn in zip(modules, saved):
+            m.get_dcp_group = fn
+        parallel.decode_context_parallel_size = orig_dcp
+
+
+# -- 9 ----------------------------------------------------------------------
+def patch_forward_context() -> None:
+    """PCP + MoE: the gathered tokens' padding mask (item 9). Installed by the
+    sharded worker when it builds vLLM's V2 runner."""
+    if "forward_context" in _WORKER_PATCHES:
+        return
+    _WORKER_PATCHES.add("forward_context")
+    from vllm.v1.worker.gpu import model_runner
+
+    from .runtime import current_runtime
+
+    orig = model_runner.set_forward_context
+
+    @functools.wraps(orig)
+    def set_forward_context(attn_metadata, vllm_config, *args, is_padding=None,
+                            **kwargs):
+        pcp = vllm_config.parallel_config.prefill_context_parallel_size
+        if is_padding is not None and pcp > 1 and _enabled(vllm_config):
+            runtime = current_runtime()
+            recorded = runtime.batch().padding if runtime is not None else None
+            if recorded is not None and recorded[0] is is_padding:
+                is_padding = recorded[1]
+            else:
+                # dummy and profile runs are identical on every rank
+                is_padding = is_padding.repeat(pcp)
+        return orig(attn_metadata, vllm_config, *args, is_padding=is_padding,
+                    **kwargs)
+
+    model_runner.set_forward_context = set_forward_context
+
+
+# -- 10 ---------------------------------------------------------------------
+def patch_sparse_indexer() -> None:
+    """Sparse models (item 10). Installed by the sharded worker before vLLM
+    builds the model (idempotent)."""
+    if "sparse_indexer" in _WORKER_PATCHES:
+        return
+    _WORKER_PATCHES.add("sparse_indexer")
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
+    from vllm.models.deepseek_v32 import attention
+
+    from .sparse import sharded_indexer_backend, sharded_indexer_op
+
+    attention.sparse_attn_indexer = sharded_indexer_op(attention.sparse_attn_indexer)
+    orig_backend = DeepseekV32IndexerCache.get_attn_backend
+
+    @functools.wraps(orig_backend)
+    def get_attn_backend(self):
+        return sharded_indexer_backend(orig_backend(self), unsharded_view)
+
+    DeepseekV32IndexerCache.get_attn_backend = get_attn_backend
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point (idempotent): items 1-7."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    _patch_engine_args()
+    _patch_platform()
+    _patch_backend_selector()
+    _patch_cp_compat_check()
+    _patch_cpu_slot_mapping()
+    _patch_input_processor()

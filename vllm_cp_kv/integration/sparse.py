@@ -18,9 +18,9 @@ DCP slot mapping, so each rank stores only the blocks it owns. Here:
   the persistent cache first (by the model's fused norm/RoPE kernel, or
   under PCP by the op's own insert, done here beforehand), owner-only.
 
-:func:`install` runs in sharded workers of sparse models, before the model
-is built (``worker.py``); without a plan in the batch metadata (sharding
-off, profile runs) the op runs exactly as vLLM's.
+``plugin.patch_sparse_indexer`` installs both wrappers in sharded workers
+of sparse models, before the model is built; without a plan in the batch
+metadata (sharding off, profile runs) the op runs exactly as vLLM's.
 """
 
 from __future__ import annotations
@@ -28,16 +28,15 @@ from __future__ import annotations
 import functools
 from functools import cache
 
-from .backend import plan_batch, translated, unsharded_view
+from .backend import plan_batch, translated
 from .runtime import get_runtime
-
-_INSTALLED = False
 
 
 @cache
-def sharded_indexer_backend(inner: type) -> type:
+def sharded_indexer_backend(inner: type, unsharded_view) -> type:
     """Return ``inner`` (vLLM's DSA indexer backend) with a builder that
-    plans with the latent and translates the block table to the full view."""
+    plans with the latent and translates the block table to the full view
+    (``unsharded_view``: see ``backend.sharded_backend``)."""
     inner_builder = inner.get_builder_cls()
 
     class Builder(inner_builder):
@@ -56,11 +55,11 @@ def sharded_indexer_backend(inner: type) -> type:
                   fast_build: bool = False):
             common = common_attn_metadata
             # the indexer reads every token of the batch, as sparse MLA does
-            plan, full, _ = plan_batch(common, self.kv_cache_spec.block_size,
-                                       1, whole=True)
-            metadata = super().build(common_prefix_len, translated(common, full),
-                                     fast_build)
-            metadata.cp_kv_plan = plan
+            made = plan_batch(common, self.kv_cache_spec.block_size, 0, whole=True,
+                              lse_decode=False, gather_heads=False)
+            metadata = super().build(common_prefix_len,
+                                     translated(common, made.full_table), fast_build)
+            metadata.cp_kv = made
             return metadata
 
     class Backend(inner):
@@ -96,7 +95,7 @@ def _write_owned(k, metadata, kv_cache, args) -> None:
                                   args["scale_fmt"])
 
 
-def _sharded_indexer_op(orig):
+def sharded_indexer_op(orig):
     """Wrap vLLM's ``sparse_attn_indexer`` function: on a sharded batch, run
     it on the full view with the insert done beforehand and DCP off."""
     import inspect
@@ -114,40 +113,15 @@ def _sharded_indexer_op(orig):
         a = bound.arguments
         if isinstance(metadata, dict):
             metadata = metadata.get(_resolve_layer_name(a["k_cache_prefix"]))
-        plan = getattr(metadata, "cp_kv_plan", None)
-        if plan is None:  # not sharded, or a profile run
+        made = getattr(metadata, "cp_kv", None)
+        if made is None or made.plan is None:  # not sharded, or a profile run
             return orig(*args, **kwargs)
         persistent = a["kv_cache"]
         if not a["skip_k_cache_insert"]:
             _write_owned(a["k"], metadata, persistent, a)
-        a["kv_cache"] = get_runtime(persistent.shape[1]).materialize(plan, persistent)
+        a["kv_cache"] = get_runtime(persistent.shape[1]).materialize(made, persistent)
         a.update(skip_k_cache_insert=True, dcp_rank=0, dcp_world_size=1)
         return orig(**a)
 
     sparse_attn_indexer._cp_kv = True
     return sparse_attn_indexer
-
-
-def install() -> None:
-    """Patch vLLM's DeepSeek-V3.2 attention (idempotent; in sharded workers
-    of sparse models, before the model is built).
-
-    Two bindings, both only used by sparse models: the indexer cache
-    layer's backend (its metadata builder) and the ``sparse_attn_indexer``
-    function as ``vllm.models.deepseek_v32.attention`` calls it.
-    """
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    _INSTALLED = True
-    from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
-    from vllm.models.deepseek_v32 import attention
-
-    attention.sparse_attn_indexer = _sharded_indexer_op(attention.sparse_attn_indexer)
-    orig_backend = DeepseekV32IndexerCache.get_attn_backend
-
-    @functools.wraps(orig_backend)
-    def get_attn_backend(self):
-        return sharded_indexer_backend(orig_backend(self))
-
-    DeepseekV32IndexerCache.get_attn_backend = get_attn_backend

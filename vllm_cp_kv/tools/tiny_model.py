@@ -44,18 +44,20 @@ def build_tokenizer(vocab_size: int):
 
 
 def build(out_dir: str, *, gpu_heads: bool = False, num_layers: int = 3,
-          moe: bool = True, seed: int = 0, init: float = 0.2) -> str:
+          moe: bool = True, seed: int = 0, init: float = 0.2, hidden: int = 384,
+          heads: int = 6, vocab: int = 700) -> str:
     """Write a model directory and return its path (skips if present)."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     from transformers import DeepseekV2Config
 
-    tok = build_tokenizer(700)
+    tok = build_tokenizer(vocab)
     nope, v = (128, 128) if gpu_heads else (32, 32)
     cfg = DeepseekV2Config(
-        hidden_size=384, intermediate_size=768, moe_intermediate_size=192,
-        num_hidden_layers=num_layers, num_attention_heads=6,
-        num_key_value_heads=6, q_lora_rank=None, kv_lora_rank=512,
+        hidden_size=hidden, intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=num_layers, num_attention_heads=heads,
+        num_key_value_heads=heads, q_lora_rank=None, kv_lora_rank=512,
         qk_rope_head_dim=64, qk_nope_head_dim=nope, v_head_dim=v, head_dim=64,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         first_k_dense_replace=1 if moe else num_layers,
@@ -65,6 +67,53 @@ def build(out_dir: str, *, gpu_heads: bool = False, num_layers: int = 3,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         vocab_size=len(tok))
     return _write(cfg, tok, out_dir, seed)
+
+
+def build_held_out(out_dir: str) -> str:
+    """A second tiny DeepSeek-V2 unlike the demo's (other width, 8 heads so
+    TP=4 divides them, 2 layers, dense, another seed and vocabulary): tests
+    that compare sharded with unsharded runs use it with their own prompts
+    (:func:`token_prompts`), so nothing is tuned to the demo's model.
+
+    ``init=0.1``: greedy outputs stay diverse (about 100 distinct tokens in
+    128) and context-dependent, while float rounding is amplified less than
+    with 0.2, where vLLM's own CPU decode kernel (float32) moves the
+    unsharded run's logprobs by up to 1.5e-4 over 128 tokens against exact
+    attention; with 0.1 sharded and unsharded agree within 1.2e-5."""
+    return build(out_dir, hidden=256, heads=8, num_layers=2, moe=False, seed=7,
+                 vocab=600, init=0.1)
+
+
+def build_demo(out_dir: str, gpu_heads: bool = False) -> str:
+    """The demo's model: 12 dense layers (the sharded layout's scratch, one
+    layer's full view, is then a small share of a small KV budget)."""
+    return build(out_dir, num_layers=12, hidden=256, heads=4, moe=False, seed=3,
+                 gpu_heads=gpu_heads)
+
+
+PROMPT_SEEDS = [  # 3 to about 560 tokens with the tiny tokenizer
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "Context parallel prefill shards the KV cache across ranks. " * 3,
+    "Each logical block lives on exactly one rank of the shard group. " * 12,
+    " ".join(f"Numbers: {i} {i + 1} {i + 2}." for i in range(60)),
+    "Hello world, this is a tiny tokenizer for offline tests. " * 20,
+    "vLLM " * 7,
+    "The lazy dog sleeps while the fox jumps. " * 28,
+]
+
+
+def prompts(n: int, repeat: int = 1) -> list[str]:
+    """``n`` text prompts for the tiny models (3 to about 560 tokens)."""
+    return [PROMPT_SEEDS[i % len(PROMPT_SEEDS)] * repeat + f" [{i}]" for i in range(n)]
+
+
+def token_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of fixed pseudo-random token ids, one per length."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 def build_v3_attention(out_dir: str) -> str:

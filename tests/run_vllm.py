@@ -1,16 +1,19 @@
-"""Run vLLM offline generation once and write a JSON result.
+"""Test and GPU-check harness: run vLLM offline generation once and write a
+JSON result (not part of the package: it carries test hooks).
 
-Usage: python -m vllm_cp_kv.tools.generate MODEL OUT_JSON [--tp N] [--pcp N]
+Usage: python tests/run_vllm.py MODEL OUT_JSON [--tp N] [--pcp N]
            [--shard] [--cp-kv JSON] [--block-size N] [--backend NAME]
            [--max-num-batched-tokens N] [--gpu-mem F] [--poison]
-           [--corrupt-after-prefill] [--no-plugin]
+           [--corrupt-after-prefill] [--no-plugin] [--stats] [--waves 2]
 
-Used by the demo and the end-to-end tests: each configuration runs in its
-own process so vLLM's workers start fresh. With ``--poison`` every rank's
-KV cache is filled with a sentinel before generation and the number of
-written slots per rank is reported afterwards; ``--corrupt-after-prefill``
-overwrites one block this rank owns after the first (prefill) step (a
-negative control).
+Each configuration runs in its own process so vLLM's workers start fresh.
+With ``--poison`` every rank's KV cache is filled with a sentinel before
+generation and the number of written slots per rank is reported afterwards;
+``--corrupt-after-prefill`` overwrites one block this rank owns after the
+first (prefill) step (a negative control). ``--stats`` adds the plugin's
+running totals per rank (bytes received per step, prefill and decode apart);
+``--waves 2`` runs the prompts twice, one wave after the other (prefix
+caching), with vLLM's own prefix-cache counters per wave.
 """
 
 from __future__ import annotations
@@ -19,32 +22,16 @@ import argparse
 import json
 import os
 
+from vllm_cp_kv.tools.tiny_model import prompts, token_prompts
+
 SENTINEL = 1234.0  # exactly representable in bf16
-
-PROMPT_SEEDS = [  # 3 to about 560 tokens with the tiny tokenizer
-    "Hello world",
-    "The quick brown fox jumps over the lazy dog.",
-    "Context parallel prefill shards the KV cache across ranks. " * 3,
-    "Each logical block lives on exactly one rank of the shard group. " * 12,
-    " ".join(f"Numbers: {i} {i + 1} {i + 2}." for i in range(60)),
-    "Hello world, this is a tiny tokenizer for offline tests. " * 20,
-    "vLLM " * 7,
-    "The lazy dog sleeps while the fox jumps. " * 28,
-]
-
-
-def prompts(n: int, repeat: int = 1) -> list[str]:
-    return [PROMPT_SEEDS[i % len(PROMPT_SEEDS)] * repeat + f" [{i}]" for i in range(n)]
 
 
 def token_prompt(length: int, vocab: int):
     """One prompt of ``length`` fixed pseudo-random token ids."""
-    import torch
     from vllm.inputs import TokensPrompt
 
-    gen = torch.Generator().manual_seed(length)
-    ids = torch.randint(3, vocab, (length,), generator=gen).tolist()
-    return TokensPrompt(prompt_token_ids=ids)
+    return TokensPrompt(prompt_token_ids=token_prompts([length], vocab, seed=length)[0])
 
 
 # -- functions run inside every worker through LLM.collective_rpc ----------
@@ -99,10 +86,10 @@ def _install_indexer_dump(worker, path):
     inner, done = attention.sparse_attn_indexer, set()
     ctx = worker.vllm_config.compilation_config.static_forward_context
 
-    def view_of(cache, plan):
+    def view_of(cache, made):
         # sharded: the runtime's full view (a memo hit, or one gather that
         # every rank makes here, in the same order)
-        return cache if plan is None else get_runtime(cache.shape[1]).materialize(plan, cache)
+        return cache if made is None else get_runtime(cache.shape[1]).materialize(made, cache)
 
     def dump(*args, **kwargs):
         out = inner(*args, **kwargs)
@@ -120,12 +107,12 @@ def _install_indexer_dump(worker, path):
         if m.num_decodes and "decode" not in done:
             done.add("decode")
             kv = kwargs.get("kv_cache", args[2] if len(args) > 2 else None)
-            plan = getattr(m, "cp_kv_plan", None)
+            made = getattr(m, "cp_kv", None)
             seq = int(m.decode.seq_lens.reshape(-1)[0])
             blocks = m.decode.block_table[0, : -(-seq // kv.shape[1])].long()
             latent = ctx[prefix.replace(".indexer.k_cache", ".attn")].kv_cache
-            torch.save({"seq_len": seq, "blocks": view_of(kv, plan)[blocks].cpu(),
-                        "latent": view_of(latent, plan)[blocks].cpu()},
+            torch.save({"seq_len": seq, "blocks": view_of(kv, made)[blocks].cpu(),
+                        "latent": view_of(latent, made)[blocks].cpu()},
                        f"{path}.rank{rank}.pt")
         return out
 
@@ -171,7 +158,8 @@ def _cache_shapes(worker):
 
 
 def _corrupt_one_owned_block(worker):
-    """Overwrite the first written block of layer 0 on shard rank 1."""
+    """Overwrite the first written block of layer 0 on shard rank 1 (after a
+    prefill, or between waves: a cached block)."""
     from vllm.distributed.parallel_state import get_dcp_group
 
     if get_dcp_group().rank_in_group != 1:
@@ -211,20 +199,35 @@ def run(a) -> dict:
         kw["max_num_batched_tokens"] = a.max_num_batched_tokens
     if a.kv_cache_dtype:
         kw["kv_cache_dtype"] = a.kv_cache_dtype
-    if a.torch_rope:  # vLLM 0.32's CPU rotary kernel is wrong for MLA (docs/disaggregated.md)
+    if a.torch_rope:  # vLLM 0.32's CPU rotary kernel is wrong for MLA (docs/design.md)
         kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+    if a.kernel_rope:  # keep vLLM's CPU rotary kernel (a negative control)
+        kw["compilation_config"] = {"custom_ops": ["all", "+rotary_embedding"]}
     if a.shard or a.cp_kv:
         kw["additional_config"] = {"cp_kv": {"enable": True,
                                              **json.loads(a.cp_kv or "{}")}}
+    if a.waves > 1:
+        kw["disable_log_stats"] = False  # vLLM's prefix-cache counters
+        kw["enable_prefix_caching"] = True
+    elif a.no_prefix_caching:
+        kw["enable_prefix_caching"] = False
     llm = LLM(**kw)
     vllm_config = llm.llm_engine.vllm_config
     cache_config = vllm_config.cache_config
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens,
                         ignore_eos=True, logprobs=1)
+    vocab = vllm_config.model_config.get_vocab_size()
     texts = prompts(a.num_prompts, a.prompt_repeat)
     if a.token_prompt_len:
-        texts = [token_prompt(a.token_prompt_len,
-                              vllm_config.model_config.get_vocab_size())]
+        texts = [token_prompt(a.token_prompt_len, vocab)]
+    phases = None
+    if a.token_prompts:  # "L,L,...;L,L,..." : phases run one after the other
+        from vllm.inputs import TokensPrompt
+
+        phases = [[TokensPrompt(prompt_token_ids=ids) for ids in token_prompts(
+            [int(x) for x in group.split(",")], vocab, seed=a.prompt_seed + k)]
+            for k, group in enumerate(a.token_prompts.split(";"))]
+        texts = phases[0]
     from vllm_cp_kv.integration import plugin
 
     parallel = vllm_config.parallel_config
@@ -239,6 +242,8 @@ def run(a) -> dict:
                  "block_size": cache_config.block_size,
                  "dcp": vllm_config.parallel_config.decode_context_parallel_size,
                  "chunked_prefill": vllm_config.scheduler_config.enable_chunked_prefill,
+                 "prefix_caching": cache_config.enable_prefix_caching,
+                 "custom_ops": list(vllm_config.compilation_config.custom_ops),
                  "backends": llm.collective_rpc(_backend_name)}
     res["cache_shapes"] = llm.collective_rpc(_cache_shapes)[0]
     if a.sorted_topk:
@@ -257,21 +262,79 @@ def run(a) -> dict:
         while engine.has_unfinished_requests():
             outs += [o for o in engine.step() if o.finished]
         outs.sort(key=lambda o: int(o.request_id))
+    elif a.waves > 1:
+        outs = run_waves(llm, texts, sp, a, res)
+    elif phases is not None and len(phases) > 1:
+        res["phases"] = []
+        for phase in phases:
+            if a.stats:
+                llm.collective_rpc("cp_kv_stats", kwargs={"reset": True})
+            outs = llm.generate(phase, sp)
+            res["phases"].append(summarize(outs))
+            if a.stats:
+                res["phases"][-1]["stats"] = llm.collective_rpc("cp_kv_stats")
+        outs = None  # per phase above
     else:
         outs = llm.generate(texts, sp)
-    res["prompt_lens"] = [len(o.prompt_token_ids) for o in outs]
-    res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
-    res["logprobs"] = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
-                                                      o.outputs[0].token_ids)]
-                       for o in outs]
-    res["texts"] = [o.outputs[0].text for o in outs]
+    if outs:
+        res.update(summarize(outs))
+    else:  # phases: the flat view over all of them
+        res.update({k: [x for ph in res["phases"] for x in ph[k]]
+                    for k in ("prompt_lens", "tokens", "logprobs", "texts")})
     if a.poison:
         res["written"] = llm.collective_rpc(_written)
         # per rank and layer: token rows written (dense checks read these)
         res["written_rows"] = [[rows for _, rows, _ in layers] for layers in res["written"]]
+    if a.stats:
+        res["stats"] = llm.collective_rpc("cp_kv_stats")
     if a.pcp > 1:
         res["last_token"] = llm.collective_rpc(_last_token_stats)
     return res
+
+
+def summarize(outs) -> dict:
+    return {"prompt_lens": [len(o.prompt_token_ids) for o in outs],
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                        o.outputs[0].token_ids)]
+                         for o in outs],
+            "texts": [o.outputs[0].text for o in outs]}
+
+
+def prefix_cache_counters(llm) -> dict:
+    """vLLM's own prefix-cache counters (queries and hits, in tokens)."""
+    got = {}
+    for m in llm.get_metrics():
+        if m.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+            got[m.name.split(":")[1]] = got.get(m.name.split(":")[1], 0) + int(m.value)
+    return got
+
+
+def run_waves(llm, prompts_, sp, a, res):
+    """Wave 1: the prompts; every later wave: each prompt with the same new
+    suffix of ``--suffix-len`` tokens (a long shared prefix), after the wave
+    before finished. ``--corrupt-between-waves`` overwrites one cached block
+    that shard rank 1 owns before the last wave (negative control)."""
+    from vllm.inputs import TokensPrompt
+
+    tok = llm.get_tokenizer()
+    ids = [p["prompt_token_ids"] if isinstance(p, dict) else tok.encode(p)
+           for p in prompts_]
+    suffixes = token_prompts([a.suffix_len] * len(ids), llm.llm_engine.vllm_config
+                             .model_config.get_vocab_size(), seed=99)
+    first = [TokensPrompt(prompt_token_ids=x) for x in ids]
+    later = [TokensPrompt(prompt_token_ids=x + y) for x, y in zip(ids, suffixes)]
+    res["waves"] = []
+    outs = None
+    for k in range(a.waves):
+        if k == a.waves - 1 and a.corrupt_between_waves:
+            res["corrupted_block"] = llm.collective_rpc(_corrupt_one_owned_block)
+        before = prefix_cache_counters(llm)
+        outs = llm.generate(first if k == 0 else later, sp)
+        after = prefix_cache_counters(llm)
+        res["waves"].append({**summarize(outs), **{
+            key: after.get(key, 0) - before.get(key, 0) for key in after}})
+    return outs
 
 
 def main() -> None:
@@ -305,11 +368,23 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8_ds_mla")
     ap.add_argument("--torch-rope", action="store_true",
                     help="CPU: PyTorch's rope instead of vLLM's rotary kernel")
+    ap.add_argument("--kernel-rope", action="store_true",
+                    help="CPU: ask for vLLM's rotary kernel (+rotary_embedding)")
     ap.add_argument("--sorted-topk", action="store_true",
                     help="sparse models: fix the order of each top-k row (both "
                          "runs of a comparison; see _install_sorted_topk)")
     ap.add_argument("--poison", action="store_true")
     ap.add_argument("--corrupt-after-prefill", action="store_true")
+    ap.add_argument("--token-prompts", default=None,
+                    help="comma-separated lengths: prompts of fixed random token ids")
+    ap.add_argument("--prompt-seed", type=int, default=0)
+    ap.add_argument("--stats", action="store_true",
+                    help="the plugin's per-rank totals (bytes per step)")
+    ap.add_argument("--waves", type=int, default=1,
+                    help=">= 2: the prompts, then each with a new suffix (prefix caching)")
+    ap.add_argument("--suffix-len", type=int, default=24)
+    ap.add_argument("--corrupt-between-waves", action="store_true")
+    ap.add_argument("--no-prefix-caching", action="store_true")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if a.no_plugin:

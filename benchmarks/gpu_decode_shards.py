@@ -1,0 +1,174 @@
+"""Shard-aware decode with vLLM's own MLA decode kernels, on one GPU.
+
+Usage (GPU machine, after ``source scripts/gpu/setup_device.sh``):
+    python3 benchmarks/gpu_decode_shards.py OUT_DIR [--batch 16] [--context 32768]
+        [--heads 128] [--shards 2,4] [--backends FLASHMLA,FLASH_ATTN_MLA,TRITON_MLA]
+
+One batch's cache (bf16, block 64, DeepSeek's 576-wide latent) is split into
+N owner shards inside one process, the way the plugin lays it out (logical
+block j on shard j mod N; each shard's view is the shared block table's
+columns and its owned-token count). Per backend, vLLM's decode kernel runs
+on every shard with the LSE returned, the partial outputs are merged with
+vLLM's DCP merge kernel (``correct_attn_out``, what ``cp_lse_ag_out_rs``
+runs on each rank before its reduce-scatter) and summed, and the result is
+compared with the same kernel on the whole cache (max abs error, bf16).
+Times (CUDA events, median of 20): the whole-cache kernel, one shard's
+kernel (what each rank runs), the merge; the cross-rank traffic per rank is
+counted, not timed (one process). Writes ``decode_shards.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import header, time_ms, write_json  # noqa: E402
+from vllm_cp_kv.core.ownership import CPShardSpec, owned_token_count  # noqa: E402
+
+LATENT, ROPE, BS = 512, 64, 64
+SCALE = (128 + 64) ** -0.5
+
+
+def make_batch(batch, context, heads, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    nblk = -(-context // BS)
+    lens = torch.tensor([context - 37 * i for i in range(batch)], dtype=torch.int32,
+                        device="cuda")
+    table = torch.randperm(batch * nblk, generator=gen, device="cuda").view(
+        batch, nblk).to(torch.int32)
+    cache = (torch.randn(batch * nblk, BS, LATENT + ROPE, generator=gen, device="cuda")
+             * 0.5).to(torch.bfloat16)
+    q = (torch.randn(batch, heads, LATENT + ROPE, generator=gen, device="cuda")
+         * 0.5).to(torch.bfloat16)
+    return q, cache, table, lens
+
+
+def shard_view(table, lens, n, r):
+    """Shard r's block table (columns r, r+N, ...) and owned-token counts."""
+    local_table = table[:, r::n].contiguous()
+    local = owned_token_count(lens.long().cpu(), CPShardSpec(r, n, BS))
+    return local_table, local.to(torch.int32).cuda()
+
+
+# -- vLLM's decode kernels, called as its MLA impls call them ---------------
+def flashmla(q, cache, table, lens):
+    from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache, get_mla_metadata
+
+    sched, _ = get_mla_metadata(lens, q.shape[1], 1, is_fp8_kvcache=False)
+    o, lse = flash_mla_with_kvcache(
+        q=q.unsqueeze(1), k_cache=cache.unsqueeze(-2), block_table=table,
+        cache_seqlens=lens, head_dim_v=LATENT, tile_scheduler_metadata=sched,
+        softmax_scale=SCALE, causal=True, is_fp8_kvcache=False)
+    return o.squeeze(1), lse.reshape(q.shape[0], q.shape[1])
+
+
+def flash_attn_mla(q, cache, table, lens):
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+    b = q.shape[0]
+    cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+    o, lse = flash_attn_varlen_func(
+        q=q[..., LATENT:], k=cache[..., LATENT:].unsqueeze(-2),
+        v=cache[..., :LATENT].unsqueeze(-2), q_v=q[..., :LATENT], max_seqlen_q=1,
+        cu_seqlens_q=cu, max_seqlen_k=int(lens.max()), seqused_k=lens,
+        block_table=table, softmax_scale=SCALE, causal=True, return_softmax_lse=True,
+        fa_version=3)
+    return o, lse.transpose(0, 1)
+
+
+def triton_mla(q, cache, table, lens):
+    from vllm.v1.attention.backends.mla.triton_mla import _compute_num_kv_splits
+    from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+
+    b, h, _ = q.shape
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = _compute_num_kv_splits(int(lens.max()), sms)
+    o = torch.zeros(b, h, LATENT, dtype=q.dtype, device="cuda")
+    lse = torch.zeros(b, h, dtype=q.dtype, device="cuda")
+    logits = torch.empty(b, h, splits, LATENT + 1, dtype=torch.float32, device="cuda")
+    kv = cache.unsqueeze(2)
+    decode_attention_fwd(q, kv, kv[..., :LATENT], o, lse, table, lens, logits, splits,
+                         SCALE, BS, is_mla=True)
+    return o, lse
+
+
+KERNELS = {"FLASHMLA": flashmla, "FLASH_ATTN_MLA": flash_attn_mla,
+           "TRITON_MLA": triton_mla}
+
+
+def merge(outs, lses):
+    """vLLM's DCP merge: each rank corrects its output with all LSEs, then
+    the ranks' outputs are summed (the reduce-scatter)."""
+    from vllm.v1.attention.ops.dcp import CPTritonContext, correct_attn_out
+
+    stacked = torch.stack([lse.float() for lse in lses])
+    ctx = CPTritonContext()
+    total = None
+    for r, out in enumerate(outs):
+        corrected, _ = correct_attn_out(out.clone(), stacked, r, ctx, is_lse_base_on_e=True)
+        total = corrected.float() if total is None else total + corrected.float()
+    return total.to(outs[0].dtype)
+
+
+def run_backend(name, a, q, cache, table, lens) -> dict:
+    kernel = KERNELS[name]
+    whole, _ = kernel(q, cache, table, lens)
+    row = {"backend": name, "whole_ms": time_ms(lambda: kernel(q, cache, table, lens))}
+    for n in (int(x) for x in a.shards.split(",")):
+        views = [shard_view(table, lens, n, r) for r in range(n)]
+        parts = [kernel(q, cache, t, l) for t, l in views]
+        merged = merge([o for o, _ in parts], [lse for _, lse in parts])
+        err = (merged.float() - whole.float()).abs().max().item()
+        t0, l0 = views[0]
+        shard_ms = time_ms(lambda: kernel(q, cache, t0, l0))
+        outs, lses = [o for o, _ in parts], [lse for _, lse in parts]
+        merge_ms = time_ms(lambda: merge(outs, lses)) / n  # one rank's correction
+        b, h = q.shape[:2]
+        row[f"n{n}"] = {
+            "max_abs_err": err, "shard_ms": shard_ms, "merge_ms": merge_ms,
+            "ratio": (shard_ms + merge_ms) / row["whole_ms"],
+            # per rank and step: all-gather of the queries (TP heads), the
+            # LSEs, and a reduce-scatter of the outputs over heads
+            "bytes_across_ranks": (n - 1) * b * (h // n) * (
+                (LATENT + ROPE) * 2 + 4 + LATENT * 2),
+        }
+        # negative control: a shard missing its last owned block
+        bad = [kernel(q, cache, t, torch.clamp(l - BS, min=0) if r == n - 1 else l)
+               for r, (t, l) in enumerate(views)]
+        row[f"n{n}"]["control_err"] = (merge([o for o, _ in bad], [x for _, x in bad])
+                                       .float() - whole.float()).abs().max().item()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--shards", default="2,4")
+    ap.add_argument("--backends", default=",".join(KERNELS))
+    a = ap.parse_args()
+    q, cache, table, lens = make_batch(a.batch, a.context, a.heads)
+    res = {**header(), "batch": a.batch, "context": a.context, "heads": a.heads,
+           "block_size": BS, "dtype": "bfloat16", "rows": []}
+    for name in a.backends.split(","):
+        try:
+            row = run_backend(name, a, q, cache, table, lens)
+        except Exception as e:  # recorded; the other backends go on
+            row = {"backend": name, "error": f"{type(e).__name__}: {e}",
+                   "trace": traceback.format_exc()[-2000:]}
+        res["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "trace"}))
+    write_json(os.path.join(a.out_dir, "decode_shards.json"), res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

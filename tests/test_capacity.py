@@ -1,0 +1,56 @@
+"""The scratch bound against the plans it must hold: the planner (another
+implementation) sizes the worst batch the scheduler can send, and the bound
+must hold it exactly; under a memory limit the bound must leave the
+persistent cache what the formula promises, and no more scratch fits."""
+
+import pytest
+import torch
+
+from builders import spec
+from vllm_cp_kv.core.capacity import scratch_blocks_bound
+from vllm_cp_kv.core.plan import plan_materialization
+
+BS = 16
+
+
+def worst_batch_plan(n, max_num_seqs, max_model_len):
+    """Every request at max_model_len, no block shared: the largest gather."""
+    cols = -(-(-(-max_model_len // BS)) // n)
+    ids = torch.arange(1, max_num_seqs * cols + 1, dtype=torch.int32)
+    table = ids.view(max_num_seqs, cols)
+    lens = torch.full((max_num_seqs,), max_model_len, dtype=torch.int64)
+    return plan_materialization(spec(n), table, lens)
+
+
+@pytest.mark.parametrize("n,seqs,model_len", [(2, 8, 1024), (4, 3, 1000), (8, 5, 77),
+                                              (2, 1, 16), (4, 16, 4096)])
+def test_bound_holds_exactly_the_worst_batch(n, seqs, model_len):
+    bound = scratch_blocks_bound(available_bytes=1 << 40, page_bytes=BS * 1152,
+                                 num_layers=3, shard_size=n, block_size=BS,
+                                 max_num_seqs=seqs, max_model_len=model_len)
+    plan = worst_batch_plan(n, seqs, model_len)
+    assert plan.num_scratch_blocks == bound
+    # negative control: one more token per request no longer fits
+    assert worst_batch_plan(n, seqs, model_len + BS * n).num_scratch_blocks > bound
+
+
+@pytest.mark.parametrize("available", [2**20, 5 * 2**20 + 12345, 2**24])
+def test_memory_limited_bound_leaves_the_persistent_cache(available):
+    n, layers, page = 2, 3, BS * 1152
+    bound = scratch_blocks_bound(available_bytes=available, page_bytes=page,
+                                 num_layers=layers, shard_size=n, block_size=BS,
+                                 max_num_seqs=10**6, max_model_len=10**6)
+    assert bound > 0 and bound % n == 0
+
+    def fits(scratch):  # no more than every rank's blocks of one layer
+        return scratch * layers * page <= n * (available - scratch * page)
+
+    assert fits(bound)
+    assert not fits(bound + n)  # the bound is tight
+
+
+def test_user_cap():
+    kw = dict(available_bytes=1 << 40, page_bytes=BS * 1152, num_layers=3,
+              shard_size=2, block_size=BS, max_num_seqs=16, max_model_len=512)
+    assert scratch_blocks_bound(cap_blocks=10, **kw) == 10
+    assert scratch_blocks_bound(cap_blocks=11, **kw) == 10  # a multiple of N

@@ -1,0 +1,78 @@
+"""Prefix caching with sharded KV, real vLLM on CPU, TP=2, float32 with
+CPU_MLA (runs on every CPU).
+
+Two waves of 8 requests on the held-out tiny model: wave 1 runs prompts of
+300-1000 random token ids; wave 2, after wave 1 finished, runs each prompt
+with a new 24-token suffix, so its prefix is in vLLM's cache. The sharded
+run keeps prefix caching on: vLLM's own counters must show the hits, at the
+granularity of a scheduler block (block size x shard size tokens), and the
+tokens of both waves must equal the unsharded run's. vLLM turns prefix
+caching off for MLA on CPU_MLA (its prefill cannot read a cached context),
+so there the unsharded reference recomputes every prompt; where vLLM keeps
+it on (AMX_MLA) the reference has it too. Either way the reference is
+correct, and the sharded wave 2 reads its cached context through the full
+view (with CPU_MLA, by the plugin's own prefill).
+
+Negative control: a third wave repeats wave 2 after one cached block owned
+by shard rank 1 was overwritten: the hit is read, so the output changes.
+"""
+
+import pytest
+
+from conftest import needs_vllm, run_generate
+
+pytestmark = needs_vllm
+PROMPTS = "300,420,530,610,700,810,900,1000"
+ARGS = ("--dtype", "float32", "--backend", "CPU_MLA", "--max-model-len", "2048",
+        "--token-prompts", PROMPTS, "--max-tokens", "24", "--suffix-len", "24")
+
+
+@pytest.fixture(scope="module")
+def runs(held_out, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("prefix"))
+    return {
+        "ref": run_generate(held_out, d, "ref", *ARGS, "--torch-rope", "--waves", "2"),
+        "on": run_generate(held_out, d, "on", *ARGS, "--shard", "--waves", "3",
+                           "--poison", "--corrupt-between-waves",
+                           env={"VLLM_CP_KV_DEBUG": "1"}),
+    }
+
+
+def test_sharded_run_keeps_prefix_caching_on(runs):
+    assert runs["on"]["prefix_caching"] is True
+    assert runs["on"]["dcp"] == 2
+
+
+def test_second_wave_hits_the_cache(runs):
+    on = runs["on"]
+    wave1, wave2 = on["waves"][0], on["waves"][1]
+    assert wave1["prefix_cache_hits"] == 0
+    # every prompt's full scheduler blocks are hits (granularity: 16 x 2 tokens)
+    granule = on["block_size"] * on["dcp"]
+    want = sum((n // granule) * granule for n in wave1["prompt_lens"])
+    assert wave2["prefix_cache_hits"] == want, (wave2["prefix_cache_hits"], want)
+    print("prefix cache hits (tokens): wave 2", wave2["prefix_cache_hits"], "of",
+          wave2["prefix_cache_queries"], "queried; reference",
+          runs["ref"]["waves"][1].get("prefix_cache_hits"))
+
+
+@pytest.mark.parametrize("wave", [0, 1])
+def test_tokens_equal_the_unsharded_run(runs, wave):
+    ref, on = runs["ref"]["waves"][wave], runs["on"]["waves"][wave]
+    assert ref["prompt_lens"] == on["prompt_lens"]
+    assert ref["tokens"] == on["tokens"]
+    diff = max(abs(p - q) for a, b in zip(ref["logprobs"], on["logprobs"])
+               for p, q in zip(a, b))
+    assert diff <= 1e-4, diff
+
+
+def test_debug_checks_held_with_cache_hits(runs):
+    assert "cp_kv: debug invariants hold" in runs["on"]["log"]
+
+
+def test_a_corrupted_cached_block_changes_the_next_hit(runs):
+    on = runs["on"]
+    assert on["corrupted_block"][1] is not None
+    wave2, wave3 = on["waves"][1], on["waves"][2]
+    assert wave3["prefix_cache_hits"] > 0
+    assert wave3["tokens"] != wave2["tokens"]
