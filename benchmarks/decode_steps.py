@@ -70,27 +70,33 @@ def run_config(a, name: str, out: str) -> None:
     llm = LLM(**kw)
     engine = llm.llm_engine
     vocab = engine.vllm_config.model_config.get_vocab_size()
-    sp = SamplingParams(temperature=0.0, max_tokens=a.steps + 8, ignore_eos=True)
+    # long enough that every request still runs during the timed steps
+    sp = SamplingParams(temperature=0.0, max_tokens=a.steps + 32, ignore_eos=True)
     rows = []
     for k, ctx in enumerate(contexts):
         for i, ids in enumerate(token_prompts([ctx] * a.batch, vocab, seed=k)):
             engine.add_request(f"{k}-{i}", TokensPrompt(prompt_token_ids=ids), sp)
         started: set = set()
+        tokens = {}
+
+        def step():
+            outs = engine.step()
+            tokens.update({o.request_id: list(o.outputs[0].token_ids)
+                           for o in outs if o.finished})
+            return outs
+
         while len(started) < a.batch:  # prefills (and the steps mixing them)
-            started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+            started |= {o.request_id for o in step() if o.outputs[0].token_ids}
         if sharded:
             llm.collective_rpc("cp_kv_stats", kwargs={"reset": True})
         times = []
         for _ in range(a.steps):
             t0 = time.perf_counter()
-            engine.step()
+            step()
             times.append(time.perf_counter() - t0)
         stats = llm.collective_rpc("cp_kv_stats")[0] if sharded else None
-        tokens = {}
         while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    tokens[o.request_id] = list(o.outputs[0].token_ids)
+            step()
         rows.append({"context": ctx, "median_ms": 1e3 * statistics.median(times),
                      "times_ms": [1e3 * t for t in times],
                      "bytes_per_step": (statistics.median(stats["decode_step_bytes"])
@@ -107,12 +113,12 @@ def plot(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, rows in res["configs"].items():
+    for k, (name, rows) in enumerate(res["configs"].items()):
         ctx = [r["context"] for r in rows]
-        axes[0].plot(ctx, [r["median_ms"] for r in rows], marker="o", label=name)
+        style = dict(marker="o", label=name, color=f"C{k}")  # one color per config
+        axes[0].plot(ctx, [r["median_ms"] for r in rows], **style)
         if name != "unsharded":
-            axes[1].plot(ctx, [r["bytes_per_step"] / 2**10 for r in rows], marker="o",
-                         label=name)
+            axes[1].plot(ctx, [r["bytes_per_step"] / 2**10 for r in rows], **style)
     axes[0].set(xlabel="context (tokens)", ylabel="decode step (ms, median)",
                 title=f"decode step, batch {res['batch']}, TP=2, {res['dtype']}")
     axes[1].set(xlabel="context (tokens)", ylabel="KiB received per decode step (rank 0)",

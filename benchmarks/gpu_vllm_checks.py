@@ -105,6 +105,31 @@ def runs():
                 "--lens", SPARSE_TTFT_LENS, "--reps", "9", "--profile", "{out}/" + name], {})
     r["ttft-pcp2-shard"] = ("ttft", "v3attn", ["--pcp", "2", "--shard", "--lens", TTFT_LENS], {})
     r["ttft-pcp2-repl"] = ("ttft", "v3attn", ["--pcp", "2", "--lens", TTFT_LENS], {})
+    # issue 18: the shard-aware decode under CUDA graphs, prefix caching on
+    # the GPU path, layer-ahead prefetch, vLLM's TP=2+DCP=2 for reference
+    long18 = ["--token-prompts", "300,700,1200,1800,2400,3000,3500,4000",
+              "--max-model-len", "4400", "--max-tokens", "48"]
+    for b in BACKENDS:
+        base = TP + ["--backend", b] + long18
+        r[f"tp2-{b}-lse-eager"] = ("gen", "moe", base + ["--shard", "--stats"], DEBUG)
+        r[f"tp2-{b}-lse-graphs"] = ("gen", "moe", base + ["--shard", "--cuda-graphs"], {})
+        r[f"tp2-{b}-mat"] = ("gen", "moe", base + ["--cp-kv", '{"decode": "materialize"}'], {})
+        r[f"tp2-{b}-long-plain"] = ("gen", "moe", base + ["--no-plugin"], {})
+    pcp_long = PCP + long18
+    r["pcp2-lse-eager"] = ("gen", "dense", pcp_long + ["--shard", "--stats"], DEBUG)
+    r["pcp2-lse-graphs"] = ("gen", "dense", pcp_long + ["--shard", "--cuda-graphs"], {})
+    r["pcp2-long-plain"] = ("gen", "dense", pcp_long + ["--no-plugin"], {})
+    waves = ["--token-prompts", "600,900,1200,1500,1800,2100,2400,2700",
+             "--max-model-len", "4096", "--max-tokens", "24", "--suffix-len", "40"]
+    for layout, base in (("pcp2", PCP), ("tp2", TP)):
+        r[f"{layout}-prefix-shard"] = ("gen", "dense", base + waves + [
+            "--shard", "--waves", "3", "--poison", "--corrupt-between-waves"], DEBUG)
+        r[f"{layout}-prefix-plain"] = ("gen", "dense", base + waves + [
+            "--no-plugin", "--waves", "2"], {})
+    r["ttft-pcp2-shard-prefetch"] = ("ttft", "v3attn", [
+        "--pcp", "2", "--shard", "--cp-kv", '{"prefetch": true}', "--lens", TTFT_LENS], {})
+    r["ttft-tp2-dcp2"] = ("ttft", "v3attn", ["--pcp", "1", "--tp", "2", "--dcp", "2",
+                                             "--lens", TTFT_LENS], {})
     return r
 
 
@@ -126,6 +151,12 @@ GROUPS = {
     "sparse-ttft": ["ttft-sparse-pcp2-shard", "ttft-sparse-pcp2-repl",
                     "ttft-sparse-tp2-shard", "ttft-sparse-tp2-repl"],
     "sparse-prof": ["ttft-sparse-pcp2-shard-prof", "ttft-sparse-pcp2-repl-prof"],
+    "lse": [f"tp2-{b}-{k}" for b in BACKENDS for k in ("lse-eager", "long-plain")]
+    + ["pcp2-lse-eager", "pcp2-long-plain"],
+    "graphs": [f"tp2-{b}-lse-graphs" for b in BACKENDS] + ["pcp2-lse-graphs"],
+    "lse-mat": [f"tp2-{b}-mat" for b in BACKENDS],
+    "prefix": ["pcp2-prefix-shard", "pcp2-prefix-plain", "tp2-prefix-shard", "tp2-prefix-plain"],
+    "ttft18": ["ttft-pcp2-shard", "ttft-pcp2-shard-prefetch", "ttft-pcp2-repl", "ttft-tp2-dcp2"],
 }
 GROUPS["sparse"] = GROUPS["sparse-smoke"] + GROUPS["sparse-rest"] + GROUPS["sparse-ttft"]
 GROUPS["all"] = GROUPS["pcp"] + GROUPS["pcp-triton"] + GROUPS["vllm-moe-bug"] + GROUPS["tp"] + GROUPS["ttft"]
@@ -268,7 +299,52 @@ def compare(results):
                                         "stats_per_rank": stats,
                                         "log": r["last_token_log_lines"]}
     ttft_pair(out, "ttft", results.get("ttft-pcp2-shard"), results.get("ttft-pcp2-repl"))
+    ttft_pair(out, "ttft-prefetch", results.get("ttft-pcp2-shard-prefetch"),
+              results.get("ttft-pcp2-repl"))
+    ttft_pair(out, "ttft-tp2-dcp2-vs-pcp2-repl", results.get("ttft-tp2-dcp2"),
+              results.get("ttft-pcp2-repl"))
+    lse_checks(out, results)
     return out
+
+
+def lse_checks(out, results):
+    """Issue 18: the shard-aware decode on GPU (tokens vs the same layout
+    unsharded, debug checks held, decode bytes per step), the same tokens
+    under CUDA graphs, prefix caching hits and identity."""
+    def ok(name):
+        r = results.get(name)
+        return r if r and r.get("rc") == 0 else None
+
+    for b in [*BACKENDS, None]:
+        tag = f"tp2-{b}" if b else "pcp2"
+        eager, plain = ok(f"{tag}-lse-eager"), ok(f"{tag}-long-plain")
+        graphs, mat = ok(f"{tag}-lse-graphs"), ok(f"{tag}-mat")
+        if eager and plain:
+            stats = [st for st in (eager.get("stats") or []) if st]
+            out[f"lse-{tag}"] = {
+                "ok": eager["tokens"] == plain["tokens"] and eager["debug_invariants_hold"],
+                "same_tokens": eager["tokens"] == plain["tokens"],
+                "first_diffs": first_diffs(eager["tokens"], plain["tokens"]),
+                "decode_step_bytes_rank0": (stats[0]["decode_step_bytes"][:3] if stats else None)}
+        if graphs and eager:
+            out[f"graphs-{tag}"] = {"ok": graphs["tokens"] == eager["tokens"],
+                                    "same_tokens": graphs["tokens"] == eager["tokens"],
+                                    "first_diffs": first_diffs(graphs["tokens"], eager["tokens"])}
+        if mat and plain:
+            out[f"mat-{tag}"] = {"ok": mat["tokens"] == plain["tokens"],
+                                 "same_tokens": mat["tokens"] == plain["tokens"]}
+    for layout in ("pcp2", "tp2"):
+        s, b = ok(f"{layout}-prefix-shard"), ok(f"{layout}-prefix-plain")
+        if s and b:
+            same = [x["tokens"] == y["tokens"] for x, y in zip(s["waves"][:2], b["waves"][:2])]
+            hits = [w.get("prefix_cache_hits") for w in s["waves"]]
+            out[f"prefix-{layout}"] = {
+                "ok": all(same) and hits[1] > 0 and s["waves"][2]["tokens"] != s["waves"][1]["tokens"],
+                "same_tokens_per_wave": same, "hits_sharded": hits,
+                "hits_unsharded": [w.get("prefix_cache_hits") for w in b["waves"]],
+                "queries": [w.get("prefix_cache_queries") for w in s["waves"]],
+                "corruption_changed_wave3": s["waves"][2]["tokens"] != s["waves"][1]["tokens"],
+                "capacity_ratio": round(s["capacity_tokens"] / b["capacity_tokens"], 3)}
 
 
 def ttft_pair(out, key, s, b):

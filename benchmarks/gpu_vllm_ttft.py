@@ -36,6 +36,8 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gpu-mem", type=float, default=0.5)
     ap.add_argument("--profile", default=None, metavar="DIR")
+    ap.add_argument("--cp-kv", default="{}", help='more cp_kv options, e.g. \'{"prefetch": true}\'')
+    ap.add_argument("--dcp", type=int, default=1, help="vLLM's own DCP (no plugin)")
     a = ap.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -49,10 +51,13 @@ def main():
         kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": a.profile,
                                  "torch_profiler_with_stack": False}
     if a.shard:
-        kw["additional_config"] = {"cp_kv": {"enable": True}}
+        kw["additional_config"] = {"cp_kv": {"enable": True, **json.loads(a.cp_kv)}}
+    if a.dcp > 1:
+        kw["decode_context_parallel_size"] = a.dcp
     llm = LLM(**kw)
     vc = llm.llm_engine.vllm_config
-    res = {"pcp": a.pcp, "tp": a.tp, "shard": a.shard,
+    res = {"pcp": a.pcp, "tp": a.tp, "shard": a.shard, "dcp": a.dcp,
+           "cp_kv": json.loads(a.cp_kv) if a.shard else None,
            "block_size": vc.cache_config.block_size,
            "capacity_tokens": vc.cache_config.num_gpu_blocks * vc.cache_config.block_size
            * vc.parallel_config.decode_context_parallel_size,

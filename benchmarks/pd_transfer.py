@@ -4,6 +4,7 @@ loopback.
 
 Usage: python benchmarks/pd_transfer.py OUT_DIR [--transports nixl mooncake]
            [--repeats 30] [--warmup 3] [--layers 4] [--block-size 64] [--blocks 64]
+           [--device cpu|cuda]
 
 One request of ``--blocks`` logical blocks of ``--block-size`` tokens in
 DeepSeek's layout: per layer the MLA latent (576 bf16 per token: kv_lora_rank
@@ -27,7 +28,18 @@ merge), interleaved, after warm-up:
 
 The receiver's caches are zeroed before and compared with the source after
 every request; the connector's descriptor count must equal the raw path's
-count of contiguous regions. Writes OUT_DIR/pd_transfer.json and .png.
+count of contiguous regions. Writes OUT_DIR/pd_transfer.json and .png, with
+the goal raw time / connector time >= 0.8 per row (``goal``).
+
+``--device cuda``: GPU to GPU. Owner r holds its caches on GPU ``r % G`` (G
+GPUs visible; with one GPU both owners share it), the receiver on GPU 0;
+NIXL registers and describes them as ``VRAM`` of their device (the
+connector's ``memory_kind``; the raw path writes the same by hand) and UCX
+moves them (between GPUs of one host: its ``cuda_ipc`` transport over NVLink;
+``UCX_TLS`` and ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` are recorded). Mooncake is
+skipped there unless ``--mooncake-cuda``: none of its CUDA builds comes with
+the GPU payload, and their TCP transport stages GPU memory through host
+buffers (docs/disaggregated.md).
 """
 
 from __future__ import annotations
@@ -56,6 +68,7 @@ from vllm_cp_kv.tools.loopback import (owner_processes, serve_until_done,  # noq
 HOST = "127.0.0.1"
 N = 2  # owner ranks (shard group)
 TIMEOUT_S = 60.0
+GOAL_RATIO = 0.8  # raw time / connector time
 LAYOUTS = ("latent", "latent+indexer")
 TABLES = ("fresh", "grouped")
 ARGS = None  # the parsed command line (set in main, and in each owner process)
@@ -68,12 +81,21 @@ def cache_specs(layers: int, block_size: int) -> list[tuple[str, tuple, torch.dt
     return [latent, indexer] * layers
 
 
-def source_caches(specs) -> list[torch.Tensor]:
-    """The request's unsharded KV: per cache ``[blocks, *block shape]``."""
+def device_of(rank: int | None) -> torch.device:
+    """Owner ``rank``'s device (``None``: the receiver's)."""
+    if ARGS.device != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", 0 if rank is None else rank % torch.cuda.device_count())
+
+
+def source_caches(specs, device=None) -> list[torch.Tensor]:
+    """The request's unsharded KV: per cache ``[blocks, *block shape]``
+    (made on the CPU, the same everywhere, then moved to ``device``)."""
     gen = torch.Generator().manual_seed(0)
-    return [torch.randn((ARGS.blocks, *shape), generator=gen).to(dtype)
-            if dtype.is_floating_point else
-            torch.randint(0, 256, (ARGS.blocks, *shape), generator=gen, dtype=dtype)
+    return [(torch.randn((ARGS.blocks, *shape), generator=gen).to(dtype)
+             if dtype.is_floating_point else
+             torch.randint(0, 256, (ARGS.blocks, *shape), generator=gen, dtype=dtype)
+             ).to(device or "cpu")
             for _, shape, dtype in specs]
 
 
@@ -96,13 +118,18 @@ def owner(rank, transport, args, to_recv, from_recv):
     global ARGS
     ARGS = args
     specs = cache_specs(args.layers, args.block_size)
-    src = source_caches(specs)
-    caches = [torch.zeros((len(virtual_table()) + 1, *shape), dtype=dtype)
+    device = device_of(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    src = source_caches(specs, device)
+    caches = [torch.zeros((len(virtual_table()) + 1, *shape), dtype=dtype, device=device)
               for _, shape, dtype in specs]
     manifest = owned_manifest(rank, N, args.block_size, virtual_table(), num_tokens())
     for cache, full in zip(caches, src):  # this rank stores only its own blocks
         for j, phys in manifest:
             cache[phys] = full[j]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the blocks are written before anyone reads
     t = make_transport(transport, HOST)
     to_recv.put((rank, {"transport_meta": t.register(caches), "manifest": manifest,
                         "layer_addrs": [c.data_ptr() for c in caches],
@@ -111,7 +138,8 @@ def owner(rank, transport, args, to_recv, from_recv):
 
 
 class RawNixl:
-    """Plain nixl agent calls (no progress thread, as in the connector)."""
+    """Plain nixl agent calls (no progress thread, as in the connector); GPU
+    memory as NIXL's ``VRAM`` of its device, written down here by hand."""
 
     def __init__(self, local, infos):
         from nixl._api import nixl_agent, nixl_agent_config
@@ -119,15 +147,19 @@ class RawNixl:
         self.agent = nixl_agent(f"raw-{uuid.uuid4().hex[:8]}",
                                 nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         for c in local:
-            self.agent.register_memory(c)
+            self.agent.register_memory(c)  # nixl reads the tensor's device itself
+        self.local = ("VRAM", local[0].device.index) if local[0].is_cuda else ("DRAM", 0)
+        self.remote = {r: (i["transport_meta"].get("mem_type", "DRAM"),
+                           i["transport_meta"].get("device_id", 0)) for r, i in infos.items()}
         self.peers = {r: self.agent.add_remote_agent(i["transport_meta"]["agent_metadata"])
                       for r, i in infos.items()}
 
     def read(self, rank, ranges):
         a = self.agent
+        (lt, ld), (rt, rd) = self.local, self.remote[rank]
         handle = a.initialize_xfer(
-            "READ", a.get_xfer_descs([(dst, n, 0) for _, dst, n in ranges], "DRAM"),
-            a.get_xfer_descs([(src, n, 0) for src, _, n in ranges], "DRAM"),
+            "READ", a.get_xfer_descs([(dst, n, ld) for _, dst, n in ranges], lt),
+            a.get_xfer_descs([(src, n, rd) for src, _, n in ranges], rt),
             self.peers[rank])
         state = a.transfer(handle)
         while state not in ("DONE", "ERR"):
@@ -203,11 +235,13 @@ def bench_case(transport, raw, infos, local, src, idx, table):
             raw.read(r, raw_ranges[r])
         return sum(len(v) for v in raw_ranges.values())
 
-    ids = torch.tensor(local_ids)
+    ids = torch.tensor(local_ids, device=local[0].device)
 
     def timed(fn):
         for i in idx:
             local[i].zero_()
+        if local[0].is_cuda:  # the zeroing kernel has run before a byte lands
+            torch.cuda.synchronize(local[0].device)
         t0 = time.perf_counter()
         descs = fn()
         dt = time.perf_counter() - t0
@@ -250,8 +284,12 @@ def bench_case(transport, raw, infos, local, src, idx, table):
 def bench_transport(name):
     with owner_processes(owner, N, name, ARGS) as infos:
         specs = cache_specs(ARGS.layers, ARGS.block_size)
-        src = source_caches(specs)
-        local = [torch.zeros((ARGS.blocks + 8, *shape), dtype=dtype) for _, shape, dtype in specs]
+        device = device_of(None)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        src = source_caches(specs, device)
+        local = [torch.zeros((ARGS.blocks + 8, *shape), dtype=dtype, device=device)
+                 for _, shape, dtype in specs]
         transport = make_transport(name, HOST)
         transport.register(local)
         raw = RAW[name](local, infos)
@@ -290,17 +328,30 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: owners on the GPUs, the receiver on GPU 0")
+    ap.add_argument("--mooncake-cuda", action="store_true",
+                    help="with --device cuda: run Mooncake too (needs its CUDA build, "
+                         "e.g. mooncake-transfer-engine-cuda13)")
     ARGS = ap.parse_args()
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
            "torch": torch.__version__, "load_avg_start": os.getloadavg(),
-           "UCX_TLS": os.environ.get("UCX_TLS", "(default)"),
+           "UCX_TLS": os.environ.get("UCX_TLS", "(default)"), "device": ARGS.device,
+           "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY",
+                                                           "(default)"),
+           "gpus": ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                    if ARGS.device == "cuda" else []),
            "config": {k: v for k, v in vars(ARGS).items() if k != "out_dir"},
            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
            "rows": [], "skipped": {}}
     for name in ARGS.transports:
         if not transport_available(name):
             out["skipped"][name] = "not installed"
+            continue
+        if name == "mooncake" and ARGS.device == "cuda" and not ARGS.mooncake_cuda:
+            out["skipped"][name] = ("GPU memory: no Mooncake CUDA build with the GPU payload "
+                                    "(docs/disaggregated.md; --mooncake-cuda tries one)")
             continue
         try:
             out["rows"] += bench_transport(name)
@@ -310,10 +361,19 @@ def main():
             out["skipped"][name] = f"{type(e).__name__}: {e}"
             print(f"{name}: skipped: {out['skipped'][name]}", flush=True)
     out["load_avg_end"] = os.getloadavg()
+    ratios = [r["ratio"] for r in out["rows"]]
+    out["goal"] = {"ratio_raw_over_connector_at_least": GOAL_RATIO,
+                   "min_ratio": min(ratios) if ratios else None,
+                   "met": bool(ratios) and min(ratios) >= GOAL_RATIO}
+    print(f"goal raw/connector >= {GOAL_RATIO}: "
+          f"{'met' if out['goal']['met'] else 'NOT met'} (min {out['goal']['min_ratio']})")
     path = os.path.join(ARGS.out_dir, "pd_transfer.json")
     write_json(path, out)
-    from plot import plot_pd_transfer
-
+    try:
+        from plot import plot_pd_transfer
+    except ImportError as e:  # no matplotlib where it ran
+        print(path, f"(no plot: {e})")
+        return
     print(path, plot_pd_transfer(path))
 
 

@@ -20,10 +20,14 @@ prefix-cache counters give the hit rate and the prompt tokens recomputed;
 the wall time of all turns is measured. Writes ``prefix_caching.json`` and
 ``prefix_caching.png``.
 
-Runs on GPU (vLLM keeps prefix caching on for both layouts) and on CPU. On
-CPUs without AMX vLLM 0.32 turns prefix caching off for MLA (CPU_MLA), so
-there the unsharded baseline recomputes everything while the sharded run
-keeps it (the plugin reads a cached context through its full view).
+A third configuration, ``sharded_half``, runs the sharded layout with half
+the memory per rank: the same logical capacity as the unsharded cache, so
+it shows what the capacity alone is worth. It stands in for the unsharded
+baseline where that one cannot cache: on CPUs without AMX vLLM 0.32 turns
+prefix caching off for MLA (CPU_MLA), so there the unsharded run recomputes
+everything, while the sharded runs keep it (the plugin reads a cached
+context through its full view). On GPU and on AMX CPUs vLLM keeps prefix
+caching on for both layouts.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ def run_config(a, name: str, out: str) -> None:
     working_set = a.conversations * final_ctx
     n = a.pcp if a.pcp > 1 else a.tp
     kv_bytes = int(a.working_set_fraction * working_set * bytes_per_token(a.model, a.dtype))
+    if name == "sharded_half":
+        kv_bytes //= 2
     kw = dict(model=a.model, tensor_parallel_size=a.tp, dtype=a.dtype,
               max_model_len=final_ctx + 64, max_num_seqs=a.max_num_seqs,
               enforce_eager=True, seed=0, enable_prefix_caching=True,
@@ -73,19 +79,20 @@ def run_config(a, name: str, out: str) -> None:
         kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
     else:
         kw["gpu_memory_utilization"] = a.gpu_mem
-    if name == "sharded":
+    if name.startswith("sharded"):
         kw["additional_config"] = {"cp_kv": {"enable": True}}
     llm = LLM(**kw)
     cfg = llm.llm_engine.vllm_config
     sp = SamplingParams(temperature=0.0, max_tokens=a.new_tokens, ignore_eos=True)
     users = workload(a, cfg.model_config.get_vocab_size())
     history = [[] for _ in range(a.conversations)]
-    turns, t0 = [], time.perf_counter()
+    turns, prompt_tokens, t0 = [], 0, time.perf_counter()
     for turn in range(a.turns):
         prompts = []
         for c in range(a.conversations):
             history[c] = history[c] + users[c][turn]
             prompts.append(TokensPrompt(prompt_token_ids=list(history[c])))
+            prompt_tokens += len(history[c])
         before = counters(llm)
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -103,9 +110,10 @@ def run_config(a, name: str, out: str) -> None:
                    "capacity_tokens": cfg.cache_config.kv_cache_size_tokens,
                    "prefix_caching": cfg.cache_config.enable_prefix_caching,
                    "working_set_tokens": working_set, "turns": turns,
-                   "queries": queries, "hits": hits,
-                   "hit_rate": hits / queries if queries else 0.0,
-                   "recomputed_tokens": queries - hits, "total_seconds": total}, f)
+                   "prompt_tokens": prompt_tokens, "queries": queries, "hits": hits,
+                   # of all prompt tokens (queries is 0 where caching is off)
+                   "hit_rate": hits / prompt_tokens,
+                   "recomputed_tokens": prompt_tokens - hits, "total_seconds": total}, f)
 
 
 def counters(llm) -> dict:
@@ -128,13 +136,14 @@ def plot(res: dict, path: str) -> None:
     for ax, key, label in zip(axes, ("hit_rate", "recomputed_tokens", "total_seconds"),
                               ("prefix-cache hit rate", "prompt tokens recomputed",
                                "total time (s)")):
-        ax.bar(names, [res["configs"][k][key] for k in names], color=["gray", "tab:blue"])
+        ax.bar(names, [res["configs"][k][key] for k in names],
+               color=["gray", "tab:blue", "tab:orange"][: len(names)])
         ax.set_title(label)
         for i, k in enumerate(names):
             v = res["configs"][k][key]
             ax.text(i, v, f"{v:.3g}", ha="center", va="bottom")
     fig.suptitle(f"{res['conversations']} conversations x {res['turns']} turns, same KV "
-                 f"memory per rank ({res['device']}, TP={res['tp']} PCP={res['pcp']})")
+                 f"memory per rank (sharded_half: half) ({res['device']}, TP={res['tp']} PCP={res['pcp']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -173,7 +182,7 @@ def main() -> int:
                                       "working_set_fraction", "tp", "pcp", "model", "dtype",
                                       "device")}
     res["configs"] = {}
-    for name in ("unsharded", "sharded"):
+    for name in ("unsharded", "sharded", "sharded_half"):
         out = os.path.join(a.out_dir, f"{name}.json")
         cmd = [sys.executable, os.path.abspath(__file__), a.out_dir, "--run", name, out]
         for key in ("conversations", "turns", "user_tokens", "new_tokens",
@@ -193,12 +202,18 @@ def main() -> int:
     res["hit_rate_ratio"] = s["hit_rate"] / u["hit_rate"] if u["hit_rate"] else None
     res["recomputed_ratio"] = s["recomputed_tokens"] / max(u["recomputed_tokens"], 1)
     res["time_ratio"] = s["total_seconds"] / u["total_seconds"]
+    h = res["configs"]["sharded_half"]
+    res["hit_rate_ratio_vs_half"] = s["hit_rate"] / h["hit_rate"] if h["hit_rate"] else None
+    res["recomputed_ratio_vs_half"] = s["recomputed_tokens"] / max(h["recomputed_tokens"], 1)
+    res["time_ratio_vs_half"] = s["total_seconds"] / h["total_seconds"]
     for name, r in res["configs"].items():
         print(f"{name:<10} capacity {r['capacity_tokens']:>8} tokens  hit rate "
               f"{r['hit_rate']:.3f}  recomputed {r['recomputed_tokens']:>8}  "
               f"time {r['total_seconds']:.1f} s")
     print(f"sharded/unsharded: hit rate x{res['hit_rate_ratio']}, recomputed "
           f"x{res['recomputed_ratio']:.2f}, time x{res['time_ratio']:.2f}")
+    print(f"sharded/sharded_half: hit rate x{res['hit_rate_ratio_vs_half']}, recomputed "
+          f"x{res['recomputed_ratio_vs_half']:.2f}, time x{res['time_ratio_vs_half']:.2f}")
     with open(os.path.join(a.out_dir, "prefix_caching.json"), "w") as f:
         json.dump(res, f, indent=1)
     plot(res, os.path.join(a.out_dir, "prefix_caching.png"))

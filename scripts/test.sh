@@ -5,4 +5,4 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 bash "$ROOT/scripts/setup_env.sh"
 source "$ROOT/scripts/cpu_env.sh"
 cd "$ROOT"
-exec "$ROOT/.venv/bin/python" -m pytest -q -rs tests "$@"
+exec "$ROOT/.venv/bin/python" -m pytest -q -rs --durations=30 tests "$@"

@@ -44,6 +44,13 @@ def amx_available() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
+def pytest_report_header(config):
+    amx = amx_available()
+    return (f"CPU MLA backend vLLM picks here: {'AMX_MLA (block 32)' if amx else 'CPU_MLA (block 16)'}"
+            f"; the exact tests force CPU_MLA on every CPU"
+            + ("" if amx else "; no AMX: the chunked-prefill test skips"))
+
+
 @pytest.fixture(scope="session")
 def tiny_dsv2():
     from vllm_cp_kv.tools.tiny_model import build

@@ -186,9 +186,11 @@ def run(a) -> dict:
 
     kw = dict(model=a.model, tokenizer=a.model, dtype=a.dtype,
               tensor_parallel_size=a.tp, max_model_len=a.max_model_len,
-              max_num_seqs=a.max_num_seqs, seed=0, enforce_eager=True)
+              max_num_seqs=a.max_num_seqs, seed=0, enforce_eager=not a.cuda_graphs)
     if a.pcp > 1:
         kw["prefill_context_parallel_size"] = a.pcp
+    if a.dcp > 1:
+        kw["decode_context_parallel_size"] = a.dcp
     if a.gpu_mem:
         kw.update(gpu_memory_utilization=a.gpu_mem, disable_custom_all_reduce=True)
     if a.block_size:
@@ -385,6 +387,9 @@ def main() -> None:
     ap.add_argument("--suffix-len", type=int, default=24)
     ap.add_argument("--corrupt-between-waves", action="store_true")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="GPU: vLLM's default CUDA graphs instead of eager")
+    ap.add_argument("--dcp", type=int, default=1, help="vLLM's own DCP (no plugin)")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if a.no_plugin:

@@ -11,7 +11,10 @@ In the default suite (one NIXL server trio, a few minutes on 2 cores): the
 identity test, and a decode pointed by a client's ``kv_transfer_params`` at a
 fake prefill peer that answers with a pickle (nothing runs, the request fails
 naming the reason in the decode's log, the decode serves on) or at a host its
-``allowed_prefill_hosts`` does not list.
+``allowed_prefill_hosts`` does not list. Both also scrape ``/metrics``: the
+connector's transfer figures (vLLM's KV-connector stats channel) count every
+pull and failure and exactly the bytes of the blocks moved, and the prefill
+shows the plugin's sharding figures, which its worker processes write.
 
 Opt-in (``VLLM_CP_KV_RUN_PD_E2E=1``; adds the Mooncake trio, which runs with
 a shared side-channel secret): the negative control (the same transfer with
@@ -78,6 +81,43 @@ def kv_usage(port):
     raise AssertionError("no vllm:kv_cache_usage_perc metric")
 
 
+def scrape(port, sample, **labels):
+    """Values of ``sample`` under ``/metrics`` whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return [s.value for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+def page_bytes(model):
+    """One KV block of every layer (the MLA latent, fp32, block 16), from the
+    model config."""
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    return cfg["num_hidden_layers"] * 16 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+
+
+def check_transfer_figures(servers):
+    """The decode's figures equal what the tests sent (``servers.moved``: the
+    prompt lengths of the pulls that worked; ``servers.failed``: the pulls
+    that failed), through vLLM's KV-connector stats channel."""
+    ok, failed = len(servers.moved), servers.failed
+
+    def decode(sample, **labels):
+        return sum(scrape(servers.dp, sample, role="decode", **labels))
+
+    wait_until(lambda: decode("vllm:cp_kv_transfers_total", result="ok") == ok
+               and decode("vllm:cp_kv_transfers_total", result="failed") == failed,
+               30, f"{ok} pulls and {failed} failures in the decode's /metrics")
+    blocks = sum(-(-n // 16) for n in servers.moved) * DECODE_TP
+    assert decode("vllm:cp_kv_transfer_blocks_total") == blocks
+    assert decode("vllm:cp_kv_transfer_bytes_total") == blocks * page_bytes(servers.model)
+    assert decode("vllm:cp_kv_transfer_seconds_count") == ok
+
+
 def wait_until(pred, timeout, what):
     end = time.time() + timeout
     while time.time() < end:
@@ -104,6 +144,7 @@ class Servers:
             env["VLLM_CP_KV_SIDE_CHANNEL_SECRET"] = SECRET[transport]
         self.procs = {}
         self.logs = {}
+        self.moved, self.failed = [], 0  # pulls the tests made (check_transfer_figures)
         self._start("prefill", ["bash", f"{EXAMPLES}/start_prefill.sh", model, str(self.pp),
                                 transport, str(self.side)],
                     {**env, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
@@ -195,6 +236,18 @@ def test_sharded_prefill_to_unsharded_decode_matches_single_instance(servers, re
     # no leaked blocks: both servers return to an empty cache
     wait_until(lambda: kv_usage(servers.dp) == 0.0, 60, "decode KV usage 0")
     wait_until(lambda: kv_usage(servers.pp) == 0.0, 60, "prefill KV usage 0")
+    # /metrics: the transfers (vLLM's stats channel) ...
+    servers.moved += reference["prompt_lens"]
+    check_transfer_figures(servers)
+    for rank in ("0", "1"):  # every prefill rank served every request once
+        wait_until(lambda r=rank: sum(scrape(servers.pp, "vllm:cp_kv_transfers_total",
+                                             role="prefill", rank=r, result="ok"))
+                   == len(texts), 30, f"prefill rank {rank}'s served requests")
+    # ... and the plugin's sharding figures, written by the prefill's workers
+    for rank in ("0", "1"):
+        assert scrape(servers.pp, "vllm:cp_kv_shard_size", rank=rank) == [2.0]
+        assert scrape(servers.pp, "vllm:cp_kv_logical_capacity_tokens", rank=rank)[0] > 0
+        assert sum(scrape(servers.pp, "vllm:cp_kv_steps_total", rank=rank)) > 0
 
 
 def decode_log_has(servers, phrase, timeout=30):
@@ -239,6 +292,7 @@ def test_a_fake_prefill_peer_runs_nothing_on_the_decode(servers, tmp_path):
             f.close()
     assert not marker.exists()
     decode_serves_on(servers)
+    servers.failed += 1
     # a prefill host the allow-list does not name: refused before any connection
     status, out = servers.completion(servers.dp, text, request_id=f"{request_id}-off-list",
                                      kv_transfer_params=dict(params, remote_host="192.0.2.1"))
@@ -248,7 +302,9 @@ def test_a_fake_prefill_peer_runs_nothing_on_the_decode(servers, tmp_path):
         assert phrase in out["error"]["message"], out
     else:  # without it, the decode's scheduler refuses the load
         decode_log_has(servers, phrase)
+        servers.failed += 1
     decode_serves_on(servers)
+    check_transfer_figures(servers)  # the failed pull counted, nothing else
 
 
 @opt_in

@@ -1,12 +1,15 @@
 """Transfer manifests: the union of (owned block, position) over all prefill
-ranks fills every position exactly once (property test over shard sizes and
-random block assignments), bad entries are refused, runs merge (read
-descriptors equal the brute-force maximal contiguous byte ranges)."""
+ranks fills every position exactly once and rebuilds the layout vLLM's
+slot-mapping kernel (transcribed in tests/reference.py) writes (property
+test over shard sizes and random block assignments), bad entries are
+refused, runs merge (read descriptors equal the brute-force maximal
+contiguous byte ranges)."""
 
 import random
 
 import pytest
 
+from reference import stored_at
 from vllm_cp_kv.core.manifest import (ManifestError, Run, check_complete, merge_runs,
                                       owned_manifest, read_descriptors, validate_manifest)
 
@@ -23,21 +26,44 @@ def test_union_over_ranks_fills_every_position_once(size):
         manifests = {r: validate_manifest(owned_manifest(r, size, BS, table, num_tokens),
                                           r, size, n, 1000) for r in range(size)}
         check_complete(manifests, n)
-        # rebuilding a cache from them equals the brute-force layout
-        rebuilt = {j: (r, b) for r, m in manifests.items() for j, b in m}
-        assert rebuilt == {j: (j % size, table[j // size]) for j in range(n)}
+        # rebuilding a cache from them: every position's block is where
+        # vLLM wrote that block's tokens
+        assert rebuild(manifests) == layout(table, n, size)
 
 
-def test_wrong_position_is_detected():
-    """Negative control: a block delivered to another position is refused."""
+def rebuild(manifests):
+    """logical block -> (rank, physical block) as a receiver places them."""
+    return {j: (r, b) for r, m in manifests.items() for j, b in m}
+
+
+def layout(table, num_blocks, size):
+    """logical block -> (rank, physical block) of its first token, from
+    vLLM's slot mapping (tests/reference.py)."""
+    out = {}
+    for j in range(num_blocks):
+        rank, slot = stored_at(j * BS, table, BS, size)
+        out[j] = (rank, slot // BS)
+    return out
+
+
+def test_wrong_positions():
+    """A block delivered to a position another rank owns is refused. Two of a
+    rank's own blocks swapped pass validation (the receiver cannot know the
+    sender's table), and the rebuilt layout is wrong: that is caught on the
+    bytes (tests/test_transfer_dist.py moves real blocks and compares them
+    with the unsharded layout, dropping positions as negative control)."""
     table = [5, 9, 11]
     m = owned_manifest(1, 2, BS, table, 6 * BS)  # logical blocks 1, 3, 5
     shifted = [(j + 1, b) for j, b in m]  # one position off
     with pytest.raises(ManifestError, match="owns"):
         validate_manifest(shifted, 1, 2, 6, 100)
     swapped = [(m[0][0], m[1][1]), (m[1][0], m[0][1]), m[2]]  # right owner, wrong slot
-    ok = validate_manifest(swapped, 1, 2, 6, 100)
-    assert ok != validate_manifest(m, 1, 2, 6, 100)
+    accepted = validate_manifest(swapped, 1, 2, 6, 100)
+    rank0 = validate_manifest(owned_manifest(0, 2, BS, table, 6 * BS), 0, 2, 6, 100)
+    check_complete({0: rank0, 1: accepted}, 6)
+    want = layout(table, 6, 2)
+    assert rebuild({0: rank0, 1: validate_manifest(m, 1, 2, 6, 100)}) == want
+    assert rebuild({0: rank0, 1: accepted}) != want
 
 
 @pytest.mark.parametrize("entries,match", [

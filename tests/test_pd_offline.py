@@ -2,7 +2,7 @@
 HTTP): a sharded TP=2 prefill instance (cp_kv, ``kv_producer``) hands its KV
 to an unsharded TP=1 decode instance (``kv_consumer``) over NIXL and over
 Mooncake, real vLLM on CPU (``vllm_cp_kv.tools.pd_offline``, about 2.5
-minutes each).
+minutes each on 2 cores; docs/disaggregated.md, "Status").
 
 Asserted against one unsharded TP=1 instance running the same 8 prompts as
 one batch: identical greedy tokens (32 per prompt) for every prompt, the
@@ -24,6 +24,17 @@ connections until the prefill side expired the requests, per-conversation
 progress loops starved the machine, and concurrent Mooncake reads failed
 (``-1``) until they were serialized.
 
+The NIXL run also runs a second wave (each prompt plus a new 24-token
+suffix) on the same instances once the decode finished wave 1: it must hit
+the prefill instance's prefix cache (vLLM's counters) on blocks that went
+through the connector's delayed free, the decode must still receive every
+wave-2 prompt token, and the tokens must equal the single instance's.
+Both runs also check that both caches end empty (every block free: the
+delayed free leaks nothing, shared cached blocks included) and the
+connector's transfer figures from vLLM's stats channel: one successful pull
+per request, none failed, and exactly the bytes of the blocks moved (from the
+model config: layers x block size x 576 values x 4 bytes per block).
+
 Not here, and why: the negative control (dropping the logical positions must
 change the result) is asserted on the transferred bytes, NIXL and Mooncake,
 in tests/test_transfer_dist.py (seconds, not minutes); a P/D run with
@@ -43,6 +54,17 @@ from conftest import CPU_ENV, ROOT, needs_vllm
 pytestmark = needs_vllm
 
 
+WAVES = {"nixl": 2, "mooncake": 1}
+
+
+def page_bytes(model, block_size=16, dtype_bytes=4):
+    """One block of every layer's MLA latent, from the model config."""
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    return (cfg["num_hidden_layers"] * block_size
+            * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * dtype_bytes)
+
+
 @pytest.mark.parametrize("transport", ["nixl", "mooncake"])
 def test_pd_identical_to_single_instance(tiny_dsv2, tmp_path, transport):
     work = str(tmp_path / "pd")
@@ -51,6 +73,7 @@ def test_pd_identical_to_single_instance(tiny_dsv2, tmp_path, transport):
          "--transport", transport, "--decode-tp", "1", "--dtype", "float32",
          "--backend", "CPU_MLA", "--block-size", "16",
          "--transfer-timeout", "120", "--blocks-expiry", "300",
+         "--waves", str(WAVES[transport]),
          "--port", str(free_port(consecutive=2)), "--timeout", "400"],
         env={**os.environ, **CPU_ENV}, cwd=ROOT, capture_output=True, text=True,
         timeout=900)
@@ -68,3 +91,23 @@ def test_pd_identical_to_single_instance(tiny_dsv2, tmp_path, transport):
     # the tokens equal the single instance's, from the first one on
     assert res["prefill_first_token_same"] == [True] * 8, res
     assert res["identical"] == res["prompts"] == 8, res
+    # both caches end empty: every block freed, shared cached blocks included
+    assert res["prefill_cache_empty_after_s"] is not None, res
+    assert res["decode_cache_empty_after_s"] is not None, res
+    # vLLM's stats channel: one pull per request, the exact bytes of the blocks
+    waves = res["wave_results"]
+    lens = [n for w in waves for n in w["prompt_lens"]]
+    assert res["decode_transfer_metrics"]["ok"] == len(lens) == 8 * WAVES[transport], res
+    assert res["decode_transfer_metrics"]["failed"] == 0, res
+    assert res["decode_transfer_metrics"]["bytes"] == \
+        sum(-(-n // 16) for n in lens) * page_bytes(tiny_dsv2), res
+    if WAVES[transport] > 1:
+        # wave 2 hits the prefill's cache, yet the decode receives every prompt
+        # token of it and decodes the single instance's tokens
+        second = waves[1]
+        # exactly the full scheduler blocks (16 tokens x 2 ranks) of every
+        # wave-1 prompt: held for the decode, read, freed, still cached
+        full = sum(n // 32 * 32 for n in waves[0]["prompt_lens"])
+        assert second["prefill_prefix_cache_hits"] == full > 0, second
+        assert second["received_tokens"] == sorted(second["prompt_lens"]), second
+        assert second["identical"] == second["prompts"] == 8, second

@@ -36,7 +36,7 @@ def wrapped(monkeypatch):
     monkeypatch.setattr(sparse, "get_runtime", lambda block_size: runtime)
     monkeypatch.setattr(sparse, "_write_owned",
                         lambda k, md, cache, a: writes.append((k, md, cache)))
-    return sparse._sharded_indexer_op(recorder), calls, writes, full
+    return sparse.sharded_indexer_op(recorder), calls, writes, full
 
 
 def _args(cache, skip_insert):
@@ -62,7 +62,7 @@ def _context(monkeypatch, metadata):
 def test_sharded_batch_runs_the_op_on_the_full_view(wrapped, monkeypatch, skip_insert):
     op, calls, writes, full = wrapped
     persistent = torch.zeros(8, 64, 132, dtype=torch.uint8)
-    md = SimpleNamespace(cp_kv_plan=object())
+    md = SimpleNamespace(cp_kv=SimpleNamespace(plan=object()))
     _context(monkeypatch, {"layer.0.k_cache": md})
     args, kwargs = _args(persistent, skip_insert)
     assert op(*args, **kwargs) == "topk"
@@ -80,7 +80,9 @@ def test_without_a_plan_the_op_is_vllms(wrapped, monkeypatch):
     op, calls, writes, _ = wrapped
     persistent = torch.zeros(8, 64, 132, dtype=torch.uint8)
     args, kwargs = _args(persistent, False)
-    for metadata in (None, {"layer.0.k_cache": SimpleNamespace()}):  # profile, unsharded
+    no_plan = SimpleNamespace(cp_kv=SimpleNamespace(plan=None))  # nothing to gather
+    for metadata in (None, {"layer.0.k_cache": SimpleNamespace()},  # profile, unsharded
+                     {"layer.0.k_cache": no_plan}):
         _context(monkeypatch, metadata)
         calls.clear()
         op(*args, **kwargs)

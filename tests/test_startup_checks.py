@@ -149,12 +149,23 @@ def test_row_cuda_graphs(tiny_dsv2, dsv32_model, monkeypatch):
         assert args.decode_context_parallel_size == 2
 
 
-def test_row_pcp_connector(tiny_dsv2, monkeypatch):
-    monkeypatch.setattr(checks_module(), "_on_gpu", lambda: True)
-    expect_row("pcp-connector", tiny_dsv2, tensor_parallel_size=1,
-               prefill_context_parallel_size=2, enforce_eager=True,
-               kv_transfer_config={"kv_connector": "ShardedKVConnector",
-                                   "kv_role": "kv_producer"})
+def test_pcp_sharding_accepts_the_kv_connector(tiny_dsv2, monkeypatch):
+    """A PCP-sharded prefill instance may run the cp_kv connector (the
+    connector serves each PCP rank's owned blocks; docs/disaggregated.md):
+    the engine-args check passes on GPU and derives the shard group."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_cp_kv.integration.options import CPKVOptions
+
+    checks = checks_module()
+    monkeypatch.setattr(checks, "_on_gpu", lambda: True)
+    args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=1,
+                      prefill_context_parallel_size=2, enforce_eager=True,
+                      additional_config=ON,
+                      kv_transfer_config={"kv_connector": "ShardedKVConnector",
+                                          "kv_role": "kv_producer"})
+    checks.check_engine_args(args, CPKVOptions.from_additional_config(ON))
+    assert args.decode_context_parallel_size == 2
 
 
 def test_row_decode_backend():

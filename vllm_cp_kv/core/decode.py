@@ -28,7 +28,6 @@ import torch
 def paged_attention_with_lse(q: torch.Tensor, kv_cache: torch.Tensor,
                              block_table: torch.Tensor, seq_lens: torch.Tensor,
                              scale: float, v_dim: int,
-                             max_len: int | None = None,
                              out_dtype: torch.dtype | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode attention (MQA over the latent) with the softmax LSE.
@@ -39,33 +38,46 @@ def paged_attention_with_lse(q: torch.Tensor, kv_cache: torch.Tensor,
             values are its first ``v_dim`` columns.
         block_table: ``[B, C]`` int, physical block of each paged position.
         seq_lens: ``[B]`` tokens to attend to per row (0 allowed).
-        max_len: ``max(seq_lens)`` if the caller knows it on the host.
-        out_dtype: of the output (default ``q``'s; float32 keeps a partial
-            output unrounded until the merge).
+        out_dtype: of the output (default: the compute type below).
     Returns:
         ``out [B, H, v_dim]`` and ``lse [B, H]`` float32
         (natural log; ``-inf`` and a zero output where a row has no token).
-        Scores and the weighted sum accumulate in a type wider than the
-        cache's: float32 for 16-bit caches, float64 for float32 ones, so
-        that splitting the softmax over ranks adds no error visible in the
-        model's dtype.
+
+    Each row's pages are gathered into one contiguous key block and
+    attended to with PyTorch's fused CPU flash attention, which returns the
+    LSE (the queries' heads are its query positions, the latent is both key
+    and value). 16-bit caches compute in their own type (the kernel
+    accumulates in float32, as vLLM's CPU MLA decode does); float32 caches
+    in float64, so that splitting the softmax over ranks adds no error
+    visible in the model's dtype.
     """
-    b, h, _ = q.shape
+    b, h, d = q.shape
+    compute = torch.float64 if kv_cache.dtype == torch.float32 else kv_cache.dtype
     bs = kv_cache.shape[1]
-    if max_len is None:
-        max_len = int(seq_lens.max()) if b else 0
-    nb = max(1, -(-max_len // bs))
-    kv = kv_cache[block_table[:, :nb].long()].reshape(b, nb * bs, kv_cache.shape[-1])
-    acc = torch.float64 if kv_cache.dtype == torch.float32 else torch.float32
-    kv = kv.to(acc)
-    scores = torch.bmm(q.to(acc), kv.transpose(1, 2)).mul_(scale)  # [B, H, T]
-    valid = torch.arange(nb * bs, device=q.device) < seq_lens.to(q.device)[:, None]
-    scores.masked_fill_(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    probs = scores.sub_(finite[..., None]).exp_()  # exp(-inf) = 0 off the rows
-    out = torch.bmm(probs, kv[..., :v_dim])
-    return out.to(out_dtype or q.dtype), lse.float()
+    out = q.new_zeros(b, h, v_dim, dtype=compute)
+    lse = q.new_full((b, h), float("-inf"), dtype=torch.float32)
+    q = q.to(compute)
+    for i, n in enumerate(seq_lens.tolist()):
+        if n <= 0:
+            continue
+        pages = block_table[i, : -(-n // bs)].to(device=kv_cache.device, dtype=torch.long)
+        k = kv_cache.index_select(0, pages).view(-1, d)[:n].to(compute)
+        o, l = _attend(q[i], k, scale)
+        out[i] = o[:, :v_dim]
+        lse[i] = l
+    return out.to(out_dtype or compute), lse
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, scale: float):
+    """``q [H, D]`` over ``k [T, D]`` (keys = values), ``T > 0``: output
+    ``[H, D]`` and LSE ``[H]``."""
+    if q.device.type == "cpu":
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None, None], k[None, None], k[None, None], scale=scale)
+        return o[0, 0], lse[0, 0]
+    scores = (q @ k.T).mul_(scale)  # other devices: the plain formula
+    lse = torch.logsumexp(scores.float(), dim=-1)
+    return torch.softmax(scores.float(), dim=-1).to(k.dtype) @ k, lse
 
 
 def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ownership import num_logical_blocks
+from .ownership import CPShardSpec, num_logical_blocks
 
 
 class ManifestError(ValueError):
@@ -40,12 +40,15 @@ class Run:
 def owned_manifest(rank: int, size: int, block_size: int,
                    virtual_table: list[int], num_tokens: int) -> list[tuple[int, int]]:
     """What prefill rank ``rank`` sends: ``[(logical_block, remote_block)]``."""
+    spec = CPShardSpec(rank, size, block_size)
     n = num_logical_blocks(num_tokens, block_size)
-    if -(-n // size) > len(virtual_table):
+    columns = int(spec.table_index(n - 1)) + 1 if n else 0
+    if columns > len(virtual_table):
         raise ManifestError(
-            f"{num_tokens} tokens need {-(-n // size)} virtual blocks, the table "
+            f"{num_tokens} tokens need {columns} virtual blocks, the table "
             f"has {len(virtual_table)}.")
-    return [(j, int(virtual_table[j // size])) for j in range(rank, n, size)]
+    return [(j, int(virtual_table[spec.table_index(j)]))
+            for j in spec.logical_blocks_of(rank, n)]
 
 
 def validate_manifest(entries, rank: int, size: int, num_blocks_total: int,
@@ -62,6 +65,10 @@ def validate_manifest(entries, rank: int, size: int, num_blocks_total: int,
     out = []
     seen = set()
     try:
+        spec = CPShardSpec(rank, size, 1)
+    except ValueError as e:
+        raise ManifestError(f"manifest for rank {rank} of {size}: {e}") from None
+    try:
         pairs = [(int(j), int(b)) for j, b in entries]
     except (TypeError, ValueError) as e:
         raise ManifestError(f"malformed manifest from rank {rank}: {e}") from None
@@ -69,10 +76,11 @@ def validate_manifest(entries, rank: int, size: int, num_blocks_total: int,
         if not 0 <= j < num_blocks_total:
             raise ManifestError(
                 f"rank {rank} sent logical block {j}, outside 0..{num_blocks_total - 1}.")
-        if j % size != rank:
+        owner = int(spec.owner_of(j))
+        if owner != rank:
             raise ManifestError(
-                f"rank {rank} sent logical block {j}, which rank {j % size} owns "
-                f"(rule j % {size}).")
+                f"rank {rank} sent logical block {j}, which rank {owner} owns "
+                f"(rule {spec.rule}, {size} ranks).")
         if not 0 <= b < remote_num_blocks:
             raise ManifestError(
                 f"rank {rank} sent block id {b} for logical block {j}, outside its "

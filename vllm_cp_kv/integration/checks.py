@@ -61,11 +61,6 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             "shard group is the PCP group with TP 1, or the TP group without PCP.")
     if _on_gpu() and not args.enforce_eager:
         check_cuda_graphs(args.compilation_config, options)
-    if pcp > 1 and getattr(args, "kv_transfer_config", None):
-        raise CPKVConfigError(
-            "cp_kv: a KV connector (--kv-transfer-config) with sharding over the "
-            "prefill-context-parallel group is not supported yet; shard the "
-            "prefill instance over TP (--tensor-parallel-size N).")
     if pcp > 1 and not _on_gpu():
         raise CPKVConfigError(
             "cp_kv: sharding over the prefill-context-parallel group "

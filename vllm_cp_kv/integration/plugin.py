@@ -28,7 +28,10 @@ Why each is needed:
 
 1. Run the startup checks on the user's arguments and derive the settings
    sharding needs (``decode_context_parallel_size``, on CPU PyTorch's rope)
-   before vLLM validates its config, so vLLM's own DCP checks still apply.
+   before vLLM validates its config, so vLLM's own DCP checks still apply;
+   in a ``vllm serve`` frontend, before the engine starts, give the
+   workers' metric files a directory that ``/metrics`` collects
+   (:func:`~vllm_cp_kv.integration.metrics.prepare_frontend`).
 2. Once the platform has fixed the block size, pin
    ``cp_kv_cache_interleave_size`` to it (block ownership) and install
    :class:`~vllm_cp_kv.integration.worker.ShardedKVWorker`. On CPU with the
@@ -92,13 +95,15 @@ def _patch_engine_args() -> None:
     orig = EngineArgs.create_engine_config
 
     @functools.wraps(orig)
-    def create_engine_config(self, *args, **kwargs):
+    def create_engine_config(self, usage_context=None, headless=False):
         options = CPKVOptions.from_additional_config(self.additional_config)
         if options.enable:
             from .checks import check_engine_args
+            from .metrics import prepare_frontend
 
             check_engine_args(self, options)
-        return orig(self, *args, **kwargs)
+            prepare_frontend(usage_context, headless)
+        return orig(self, usage_context, headless)
 
     EngineArgs.create_engine_config = create_engine_config
 

@@ -264,19 +264,22 @@ class ShardRuntime:
 
     def combine(self, out: torch.Tensor, lse: torch.Tensor,
                 split_heads: bool) -> torch.Tensor:
-        """Merge every rank's partial output by LSE (torch; CPU).
-
-        ``split_heads``: return this rank's ``H / N`` heads (TP), else all.
-        """
-        outs = self.group.all_gather(out.unsqueeze(0).contiguous(), dim=0)
-        lses = self.group.all_gather(lse.unsqueeze(0).contiguous(), dim=0)
-        self._received(outs)
-        self._received(lses)
-        merged = merge_by_lse(outs, lses)
+        """Merge every rank's partial output by LSE (torch; CPU): one
+        all-gather of output and LSE packed as bytes, then the merge of the
+        heads this rank returns (``split_heads``: its ``H / N``, TP; else
+        all)."""
+        b, h, d = out.shape
+        width = d * out.element_size()
+        packed = torch.cat([out.contiguous().view(torch.uint8),
+                            lse.float().unsqueeze(-1).contiguous().view(torch.uint8)], dim=-1)
+        parts = self.group.all_gather(packed.unsqueeze(0), dim=0)  # [N, B, H, bytes]
+        self._received(parts)
         if split_heads:
-            h = merged.shape[1] // self.spec.size
-            merged = merged[:, self.spec.rank * h:(self.spec.rank + 1) * h]
-        return merged.contiguous()
+            h //= self.spec.size
+            parts = parts[:, :, self.spec.rank * h:(self.spec.rank + 1) * h]
+        outs = parts[..., :width].contiguous().view(out.dtype)
+        lses = parts[..., width:].contiguous().view(torch.float32).squeeze(-1)
+        return merge_by_lse(outs, lses)
 
     def count_merge(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Bytes of vLLM's merge (GPU): the LSE all-gather and the outputs'
@@ -288,16 +291,14 @@ class ShardRuntime:
     def lse_decode_torch(self, q: torch.Tensor, kv_cache: torch.Tensor,
                          view: DecodeView, scale: float, v_dim: int) -> torch.Tensor:
         """Decode rows: partial attention over the owned blocks, merged.
-        Partial outputs cross ranks unrounded (float32; float64 for float32
-        models) and are rounded to the model's dtype once, after the merge."""
-        dtype = q.dtype
-        wide = torch.float64 if dtype == torch.float32 else torch.float32
+        Partial outputs cross ranks in the kernel's compute type (float64
+        for float32 models, else the model's 16-bit type) and the merge
+        accumulates in float32 or wider."""
         if view.gather_heads:
             q = self.gather_heads(q)
         out, lse = paged_attention_with_lse(q, kv_cache, view.block_table,
-                                            view.local_lens, scale, v_dim,
-                                            view.max_local_len, out_dtype=wide)
-        return self.combine(out, lse, view.gather_heads).to(dtype)
+                                            view.local_lens, scale, v_dim)
+        return self.combine(out, lse, view.gather_heads).to(q.dtype)
 
 
 _STATE: ShardRuntime | None = None

@@ -4,60 +4,110 @@ decode instance through the cp_kv connector; compared with one instance.
 Usage: python -m vllm_cp_kv.tools.pd_offline MODEL WORKDIR [--transport nixl|mooncake]
            [--decode-tp N] [--prefill-tp 2] [--dtype bfloat16] [--backend CPU_MLA]
            [--block-size N] [--max-num-seqs N] [--blocks-expiry S] [--drop-positions]
-           [--transfer-timeout S] [--cpu-rope-kernel]
+           [--transfer-timeout S] [--cpu-rope-kernel] [--waves 2 [--wave2 suffix|same]]
+       GPU:   ... --device cuda [--prefill-pcp 2] [--gpu-mem F] [--decode-gpu-mem F]
+           [--num-prompts N] [--prompt-repeat R] [--max-model-len L] [--strict]
 
 Three processes, as vLLM's own P/D examples do without HTTP: the prefill
-instance (TP=2, cp_kv sharding, ``kv_producer``) runs every prompt with
+instance (sharded with cp_kv, ``kv_producer``) runs every prompt with
 ``max_tokens=1`` and publishes the ``kv_transfer_params``; the decode instance
 (not sharded, ``kv_consumer``) runs the same prompts with those params; the
-reference is one unsharded instance with the decode's TP. All prompts run as
-one batch on every side (``--max-num-seqs 1``: one at a time everywhere).
-Prints ``PD_RESULT {json}`` and writes WORKDIR/pd_result.json.
+reference is one unsharded instance with the decode's TP. All prompts of a
+wave run as one batch on every side (``--max-num-seqs 1``: one at a time
+everywhere). Prints ``PD_RESULT {json}`` and writes WORKDIR/pd_result.json.
 ``--drop-positions`` is the negative control (a decode-side test hook writes
 blocks without their logical positions).
 
-Every instance runs the PyTorch rope instead of vLLM 0.32's CPU rotary kernel,
-which is wrong for MLA (see ``_llm``; ``--cpu-rope-kernel`` keeps it). With the
-kernel, outputs depend on the batch layout and on prefill vs decode path, so
-no P/D run can match a single instance. Exact identity also needs fp32
-(``--dtype float32 --backend CPU_MLA --block-size 16``; AMX_MLA is bf16 only).
+Recorded besides the tokens: the tokens the decode received per request (its
+log), whether both instances' caches are empty afterwards (vLLM's
+``reset_prefix_cache`` succeeds only when every block is free: the prefill
+polls it until the decode's reads freed its blocks), and the decode's
+transfer figures as vLLM's stats channel reports them (``vllm:cp_kv_*``,
+docs/disaggregated.md) against the bytes of the blocks moved, computed from
+the model config (layers x block size x MLA latent width x dtype bytes).
+
+``--waves 2``: a second wave hits the prefill instance's prefix cache. Wave 2
+is each wave-1 prompt plus a new suffix of ``--suffix-len`` tokens
+(``--wave2 same``: the same prompts again); the prefill runs it once the
+decode finished wave 1, so wave 2 hits blocks that went through the
+connector's delayed free (held for the decode, read, freed, still cached).
+Why not sooner: a prefill holding blocks for a decode that is busy elsewhere
+steps its idle engine in a loop, which on a 2-core machine slowed the decode's
+wave 1 from seconds to 3.5 minutes. Recorded: vLLM's prefix-cache counters on
+the prefill per wave (``vllm:prefix_cache_hits`` / ``_queries``), every wave-2
+prompt token received by the decode, and wave 2's tokens against the
+reference's.
+
+CPU (the default): every instance runs the PyTorch rope instead of vLLM
+0.32's CPU rotary kernel, which is wrong for MLA (see ``_llm``;
+``--cpu-rope-kernel`` keeps it). With the kernel, outputs depend on the batch
+layout and on prefill vs decode path, so no P/D run can match a single
+instance. Exact identity also needs fp32 (``--dtype float32 --backend
+CPU_MLA --block-size 16``; AMX_MLA is bf16 only).
+
+GPU (``--device cuda``, vLLM's V2 runner): the prefill shards over the PCP
+group (``--prefill-pcp 2``, TP=1, ``CUDA_VISIBLE_DEVICES=0,1``,
+``--gpu-mem`` of each GPU), the decode runs TP=1 on GPU 0
+(``CUDA_VISIBLE_DEVICES=0``, ``--decode-gpu-mem``; it shares GPU 0 with prefill
+rank 0 and starts once the prefill has finished its wave, so that their memory
+profiling does not overlap), the reference is one instance on GPU 0 before
+both. The model needs DeepSeek head sizes (``python -m
+vllm_cp_kv.tools.tiny_model DIR --gpu-heads``). The decode's own prefix
+caching is off (``--decode-prefix-caching`` turns it on; the decode then
+reads only the blocks its cache lacks, and "received" counts those). With
+``--strict`` the run exits 1 unless every check holds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 
-from .tiny_model import prompts
+from .tiny_model import prompts, token_prompts
 
 NUM_PROMPTS, MAX_TOKENS = 8, 32
+WAVE_MARK = "cp_kv pd_offline: decode wave"  # the decode log's wave boundary
 
 
-def _kv_config(role: str, transport: str, port: int, expiry_s: float,
-               timeout_s: float) -> dict:
+def _kv_config(role: str, a) -> dict:
     return {"kv_connector": "ShardedKVConnector",
             "kv_connector_module_path": "vllm_cp_kv.integration.connector",
             "kv_role": role,
-            "kv_connector_extra_config": {"transport": transport,
-                                          "side_channel_port": port,
-                                          "blocks_expiry_s": expiry_s,
-                                          "transfer_timeout_s": timeout_s}}
+            "kv_connector_extra_config": {"transport": a.transport,
+                                          "side_channel_port": a.port,
+                                          "blocks_expiry_s": a.blocks_expiry,
+                                          "transfer_timeout_s": a.transfer_timeout}}
 
 
-def _llm(a, tp: int, role: str | None, shard: bool):
+def _llm(a, role: str):
+    """``role``: reference, prefill or decode."""
     from vllm import LLM
 
+    gpu = a.device == "cuda"
+    tp = a.prefill_tp if role == "prefill" else a.decode_tp
     kw = dict(model=a.model, tokenizer=a.model, dtype=a.dtype, tensor_parallel_size=tp,
-              max_model_len=1024, max_num_seqs=a.max_num_seqs, block_size=a.block_size,
-              seed=0, enforce_eager=True)
+              max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=0,
+              enforce_eager=True,
+              # vLLM's counters (prefix-cache hits, the connector's transfer figures)
+              disable_log_stats=role == "reference")
+    if a.block_size:
+        kw["block_size"] = a.block_size
     if a.backend:
         kw["attention_config"] = {"backend": a.backend}
-    if not a.cpu_rope_kernel:
+    if gpu:
+        kw.update(gpu_memory_utilization=a.gpu_mem if role == "prefill" else a.decode_gpu_mem,
+                  disable_custom_all_reduce=True)
+        if role == "prefill" and a.prefill_pcp > 1:
+            kw.update(tensor_parallel_size=1, prefill_context_parallel_size=a.prefill_pcp)
+        if role == "decode" and not a.decode_prefix_caching:
+            kw["enable_prefix_caching"] = False
+    elif not a.cpu_rope_kernel:
         # vLLM 0.32's CPU rotary kernel (torch.ops._C.rotary_embedding) is wrong
         # on MLA's inputs: it rotates q[..., nope:] ([T, H, 64], a strided view)
         # incorrectly and, for k_pe (a strided view into kv_a_proj's output),
@@ -65,20 +115,41 @@ def _llm(a, tp: int, role: str | None, shard: bool):
         # kv_c. The result depends on the batch layout, so prefill and decode
         # (and batched and single runs) disagree. The PyTorch rope is exact.
         kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
-    if role:
-        kw["kv_transfer_config"] = _kv_config(role, a.transport, a.port, a.blocks_expiry,
-                                                a.transfer_timeout)
-    if shard:
+    if role == "prefill" and a.waves > 1:
+        kw["enable_prefix_caching"] = True
+    if role != "reference":
+        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+        kw["kv_transfer_config"] = _kv_config(kv_role, a)
+    if role == "prefill":
         kw["additional_config"] = {"cp_kv": {"enable": True}}
     return LLM(**kw)
 
 
-def _sampling(params=None, max_tokens=MAX_TOKENS):
+def _sampling(a, params=None, max_tokens=None):
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": params} if params is not None else None
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                          logprobs=1, extra_args=extra)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens or a.max_tokens,
+                          ignore_eos=True, logprobs=1, extra_args=extra)
+
+
+def _waves(a, llm) -> list[list]:
+    """The prompts of every wave (wave 2: each wave-1 prompt plus the same
+    new suffix of token ids, or the wave-1 prompts again)."""
+    first = prompts(a.num_prompts, a.prompt_repeat)
+    if a.waves == 1:
+        return [first]
+    if a.wave2 == "same":
+        return [first] * a.waves
+    from vllm.inputs import TokensPrompt
+
+    tok = llm.get_tokenizer()
+    vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+    out = [first]
+    for k in range(1, a.waves):
+        suffix = token_prompts([a.suffix_len], vocab, seed=99 + k)[0]
+        out.append([TokensPrompt(prompt_token_ids=tok.encode(p) + suffix) for p in first])
+    return out
 
 
 def _result(outs) -> dict:
@@ -87,58 +158,148 @@ def _result(outs) -> dict:
             "num_cached_tokens": [o.num_cached_tokens for o in outs]}
 
 
+def _counters(llm, names) -> dict:
+    """Sums of vLLM's counters ``names`` (over labels) from ``llm.get_metrics()``."""
+    got = dict.fromkeys(names, 0)
+    for m in llm.get_metrics():
+        if m.name in got and hasattr(m, "value"):
+            got[m.name] += m.value
+    return got
+
+
+def _transfer_metrics(llm) -> dict:
+    """The connector's figures as vLLM's stats channel reported them."""
+    out = {"ok": 0, "failed": 0, "bytes": 0, "blocks": 0}
+    for m in llm.get_metrics():
+        labels = getattr(m, "labels", {}) or {}
+        if m.name == "vllm:cp_kv_transfers" and labels.get("role") == "decode":
+            out[labels.get("result", "ok")] += int(m.value)
+        elif m.name == "vllm:cp_kv_transfer_bytes":
+            out["bytes"] += int(m.value)
+        elif m.name == "vllm:cp_kv_transfer_blocks":
+            out["blocks"] += int(m.value)
+    return out
+
+
+def _cache_empty(llm, timeout_s: float) -> float | None:
+    """Seconds until every block of the instance is free (vLLM's
+    ``reset_prefix_cache`` succeeds only then), or ``None`` on timeout."""
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        if llm.reset_prefix_cache():
+            return round(time.time() - t0, 2)
+        time.sleep(0.5)
+    return None
+
+
+def _page_bytes(llm) -> int:
+    """Bytes of one KV block of every layer, from the model config (the MLA
+    latent: kv_lora_rank + qk_rope_head_dim values per token)."""
+    import torch
+
+    cfg = llm.llm_engine.vllm_config
+    hf = cfg.model_config.hf_text_config
+    dtype = cfg.model_config.dtype
+    if str(cfg.cache_config.cache_dtype).startswith("fp8"):
+        dtype = torch.uint8  # one byte per value (not fp8_ds_mla's own page layout)
+    width = hf.kv_lora_rank + hf.qk_rope_head_dim
+    return (hf.num_hidden_layers * cfg.cache_config.block_size * width
+            * torch.tensor([], dtype=dtype).element_size())
+
+
 def role_reference(a):
-    llm = _llm(a, a.decode_tp, None, shard=False)
-    return _result(llm.generate(prompts(NUM_PROMPTS), _sampling()))
+    llm = _llm(a, "reference")
+    waves = [_result(llm.generate(w, _sampling(a))) for w in _waves(a, llm)]
+    return {**waves[0], "waves": waves}
 
 
 def role_prefill(a):
-    llm = _llm(a, a.prefill_tp, "kv_producer", shard=True)
-    outs = llm.generate(prompts(NUM_PROMPTS),
-                        _sampling({"do_remote_decode": True}, max_tokens=1))
-    path = os.path.join(a.workdir, "params.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump([o.kv_transfer_params for o in outs], f)
-    os.rename(path + ".tmp", path)
-    done = os.path.join(a.workdir, "decode.done")
-    while not os.path.exists(done):  # the engine serves the decode's reads meanwhile
+    llm = _llm(a, "prefill")
+    names = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
+    waves, first_tokens = [], []
+    for k, wave in enumerate(_waves(a, llm)):
+        if k:  # after the decode finished the wave before (its blocks were freed)
+            wave_done = os.path.join(a.workdir, f"wave{k - 1}.done")
+            if _wait_file(wave_done, os.path.join(a.workdir, "decode.done")) != wave_done:
+                break  # the decode gave up
+        before = _counters(llm, names)
+        outs = llm.generate(wave, _sampling(a, {"do_remote_decode": True}, max_tokens=1))
+        after = _counters(llm, names)
+        _publish(a, k, [o.kv_transfer_params for o in outs])
+        waves.append({"prompts": len(outs),
+                      "prompt_lens": [len(o.prompt_token_ids) for o in outs],
+                      "num_cached_tokens": [o.num_cached_tokens for o in outs],
+                      **{n.split(":")[1]: int(after[n] - before[n]) for n in names}})
+        first_tokens.append([o.outputs[0].token_ids[0] for o in outs])
+    # the engine serves the decode's reads meanwhile
+    _wait_file(os.path.join(a.workdir, "decode.done"))
+    return {"prefilled": waves[0]["prompts"], "first_tokens": first_tokens[0],
+            "first_tokens_waves": first_tokens, "waves": waves,
+            # every block back once the decode's reads are done (or expired)
+            "cache_empty_after_s": _cache_empty(llm, a.blocks_expiry + 60)}
+
+
+def _wait_file(*paths: str) -> str:
+    """The first of ``paths`` that exists, once one does."""
+    while True:
+        for path in paths:
+            if os.path.exists(path):
+                return path
         time.sleep(0.2)
-    return {"prefilled": len(outs), "first_tokens": [o.outputs[0].token_ids[0] for o in outs]}
+
+
+def _publish(a, k: int, params) -> None:
+    path = os.path.join(a.workdir, f"params{k}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(params, f)
+    os.rename(path + ".tmp", path)
 
 
 def role_decode(a):
-    llm = _llm(a, a.decode_tp, "kv_consumer", shard=False)
-    path = os.path.join(a.workdir, "params.json")
-    while not os.path.exists(path):
-        time.sleep(0.2)
-    with open(path) as f:
-        params = json.load(f)
-    if a.drop_positions:
-        for p in params:
-            p["cp_kv_test_ignore_positions"] = True
+    llm = _llm(a, "decode")
     try:
-        outs = llm.generate(prompts(NUM_PROMPTS), [_sampling(p) for p in params])
-        return _result(outs)
+        waves = []
+        for k, wave in enumerate(_waves(a, llm)):
+            path = os.path.join(a.workdir, f"params{k}.json")
+            _wait_file(path)
+            with open(path) as f:
+                params = json.load(f)
+            if a.drop_positions:
+                for p in params:
+                    p["cp_kv_test_ignore_positions"] = True
+            print(f"{WAVE_MARK} {k + 1}", flush=True)
+            waves.append(_result(llm.generate(wave, [_sampling(a, p) for p in params])))
+            open(os.path.join(a.workdir, f"wave{k}.done"), "w").close()
+        return {**waves[0], "waves": waves, "transfer_metrics": _transfer_metrics(llm),
+                "page_bytes": _page_bytes(llm),
+                "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+                "cache_empty_after_s": _cache_empty(llm, 30)}
     finally:
         open(os.path.join(a.workdir, "decode.done"), "w").close()
 
 
-def _spawn(a, role: str, cores: str, env: dict):
+def _spawn(a, role: str, env: dict):
     argv = [sys.executable, "-m", "vllm_cp_kv.tools.pd_offline", a.model, a.workdir,
-            "--role", role, "--transport", a.transport, "--decode-tp", str(a.decode_tp),
-            "--prefill-tp", str(a.prefill_tp), "--dtype", a.dtype, "--port", str(a.port),
-            "--block-size", str(a.block_size), "--max-num-seqs", str(a.max_num_seqs),
-            "--blocks-expiry", str(a.blocks_expiry),
-            "--transfer-timeout", str(a.transfer_timeout)]
-    if a.backend:
-        argv += ["--backend", a.backend]
-    if a.cpu_rope_kernel:
-        argv.append("--cpu-rope-kernel")
-    if a.drop_positions:
-        argv.append("--drop-positions")
+            "--role", role]
+    for key, value in vars(a).items():
+        if key in ("model", "workdir", "role", "timeout") or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        else:
+            argv += [flag, str(value)]
+    if a.device == "cuda":
+        env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(
+            str(i) for i in range(a.prefill_pcp * a.prefill_tp if role == "prefill"
+                                  else a.decode_tp))}
+    else:
+        two = role == "prefill" or a.decode_tp == 2
+        env = {**env, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if two else
+               ("1" if role == "decode" else "0")}
     log = open(os.path.join(a.workdir, f"{role}.log"), "w")
-    return subprocess.Popen(argv, env={**os.environ, **env, "VLLM_CPU_OMP_THREADS_BIND": cores},
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(argv, env={**os.environ, **env}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _kill(proc) -> None:
@@ -150,32 +311,90 @@ def _kill(proc) -> None:
             pass
 
 
+def _received(path: str, waves: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Per wave: tokens the decode reported received, and tokens of leading
+    blocks its own prefix cache held (not read), from its log."""
+    received = [[] for _ in range(waves)]
+    cached = [[] for _ in range(waves)]
+    k = 0
+    with open(path) as f:
+        for line in f:
+            if line.startswith(WAVE_MARK):
+                k = int(line.split()[-1]) - 1
+            elif "cp_kv connector: request" in line and " received " in line:
+                received[k].append(int(line.split(" received ")[1].split(" tokens")[0]))
+                tail = line.split("; ")[-1] if "leading blocks" in line else ""
+                cached[k].append(int(tail.split()[0]) if tail else 0)
+    return received, cached
+
+
+def _wait_for(path: str, proc, timeout_s: float) -> None:
+    end = time.time() + timeout_s
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.time() > end:
+            return
+        time.sleep(0.5)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("workdir")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--transport", default="nixl", choices=["nixl", "mooncake"])
     ap.add_argument("--decode-tp", type=int, default=1)
-    ap.add_argument("--prefill-tp", type=int, default=2)
+    ap.add_argument("--prefill-tp", type=int, default=None,
+                    help="prefill TP (CPU default 2: the shard group; GPU default 1)")
+    ap.add_argument("--prefill-pcp", type=int, default=None,
+                    help="GPU: prefill PCP size, the shard group (default 2)")
+    ap.add_argument("--gpu-mem", type=float, default=0.3,
+                    help="GPU: the prefill's gpu_memory_utilization (of each GPU)")
+    ap.add_argument("--decode-gpu-mem", type=float, default=0.3,
+                    help="GPU: the decode's and the reference's gpu_memory_utilization")
+    ap.add_argument("--decode-prefix-caching", action="store_true",
+                    help="GPU: keep the decode's own prefix caching on")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="CPU default 32; GPU default 64")
     ap.add_argument("--max-num-seqs", type=int, default=NUM_PROMPTS,
                     help="1: every side runs one request at a time")
+    ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
+    ap.add_argument("--prompt-repeat", type=int, default=None,
+                    help="repeat each prompt text (CPU default 1, GPU 4: up to ~2,200 tokens)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="CPU 1024, GPU 4096")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--backend", default=None, help="e.g. CPU_MLA (block size 16)")
     ap.add_argument("--port", type=int, default=5700)
-    ap.add_argument("--blocks-expiry", type=float, default=120,
+    ap.add_argument("--blocks-expiry", type=float, default=None,
                     help="prefill side: free unclaimed blocks after this many seconds "
-                         "(the connector's blocks_expiry_s; raise it for serial decodes)")
+                         "(the connector's blocks_expiry_s; CPU 120, GPU 300)")
     ap.add_argument("--transfer-timeout", type=float, default=30,
                     help="decode side: fail a request whose reads take longer "
                          "(the connector's transfer_timeout_s)")
+    ap.add_argument("--waves", type=int, default=1,
+                    help="2: a second wave that hits the prefill's prefix cache")
+    ap.add_argument("--wave2", default="suffix", choices=["suffix", "same"],
+                    help="wave 2: each prompt plus a new suffix, or the same prompts")
+    ap.add_argument("--suffix-len", type=int, default=24)
     ap.add_argument("--drop-positions", action="store_true")
     ap.add_argument("--cpu-rope-kernel", action="store_true",
                     help="keep vLLM's CPU rotary kernel (wrong for MLA in vLLM 0.32; "
                          "by default the PyTorch rope runs instead)")
+    ap.add_argument("--strict", action="store_true",
+                    help="exit 1 unless every check holds (see pd_result.json 'checks')")
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=900)
     a = ap.parse_args()
+    gpu = a.device == "cuda"
+    a.prefill_tp = a.prefill_tp or (1 if gpu else 2)
+    a.prefill_pcp = a.prefill_pcp or (2 if gpu else 1)
+    # GPU: 64 on both sides whatever backend each picks (FLASHMLA needs 64,
+    # FLASH_ATTN_MLA and TRITON_MLA take multiples of 16): the decode refuses a
+    # prefill of another block size (handshake mismatch)
+    a.block_size = a.block_size or (64 if gpu else 32)
+    a.prompt_repeat = a.prompt_repeat or (4 if gpu else 1)
+    a.max_model_len = a.max_model_len or (4096 if gpu else 1024)
+    a.blocks_expiry = a.blocks_expiry or (300.0 if gpu else 120.0)
     # vLLM's engine-core process keeps stepping after generate() returns, so
     # the prefill side hands its finished blocks to the workers and serves reads
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -187,49 +406,93 @@ def main() -> None:
         return
     os.makedirs(a.workdir, exist_ok=True)
     for name in os.listdir(a.workdir):
-        if name.startswith(("params", "decode", "prefill", "reference", "pd_result")):
+        if name.startswith(("params", "decode", "prefill", "reference", "pd_result", "wave")):
             os.remove(os.path.join(a.workdir, name))
     env = {"VLLM_CP_KV_TEST_HOOKS": "1"} if a.drop_positions else {}
     t0 = time.time()
-    procs = [_spawn(a, "reference", "0|1" if a.decode_tp == 2 else "0", env)]
+    procs = [_spawn(a, "reference", env)]
     try:
         procs[0].wait(timeout=a.timeout)
-        procs += [_spawn(a, "prefill", "0|1", env),
-                  _spawn(a, "decode", "0|1" if a.decode_tp == 2 else "1", env)]
+        procs.append(_spawn(a, "prefill", env))
+        if gpu:  # GPU 0 is shared: let the prefill size its cache first
+            _wait_for(os.path.join(a.workdir, "params0.json"), procs[1], a.timeout)
+        procs.append(_spawn(a, "decode", env))
         ref, prefill, decode = procs
         rc_d = decode.wait(timeout=a.timeout)
-        rc_p = prefill.wait(timeout=120)
+        rc_p = prefill.wait(timeout=a.blocks_expiry + 180)
     finally:  # a timeout or a dead peer must not leave engines behind
         for proc in procs:
             _kill(proc)
-    out = {"transport": a.transport, "prefill_tp": a.prefill_tp, "decode_tp": a.decode_tp,
-           "dtype": a.dtype, "backend": a.backend, "block_size": a.block_size,
+    out = {"device": a.device, "transport": a.transport, "prefill_tp": a.prefill_tp,
+           "prefill_pcp": a.prefill_pcp, "decode_tp": a.decode_tp, "dtype": a.dtype,
+           "backend": a.backend, "block_size": a.block_size, "waves": a.waves,
            "max_num_seqs": a.max_num_seqs, "drop_positions": a.drop_positions,
            "cpu_rope_kernel": a.cpu_rope_kernel, "rc": [ref.returncode, rc_p, rc_d],
            "wall_s": round(time.time() - t0, 1)}
     if out["rc"] == [0, 0, 0]:
-        with open(os.path.join(a.workdir, "reference.json")) as f:
-            r = json.load(f)
-        with open(os.path.join(a.workdir, "decode.json")) as f:
-            d = json.load(f)
-        with open(os.path.join(a.workdir, "prefill.json")) as f:
-            p = json.load(f)
-        with open(os.path.join(a.workdir, "decode.log")) as f:
-            received = [int(l.split(" received ")[1].split(" tokens")[0])
-                        for l in f if "cp_kv connector: request" in l and " received " in l]
-        out.update(identical=sum(x == y for x, y in zip(r["tokens"], d["tokens"])),
-                   prompts=len(r["tokens"]), prompt_lens=r["prompt_lens"],
-                   decode_num_cached_tokens=d["num_cached_tokens"],
-                   # the prefill's own first token against the reference's
-                   prefill_first_token_same=[t == toks[0] for t, toks in
-                                             zip(p["first_tokens"], r["tokens"])],
-                   received_tokens=sorted(received),
-                   first_diff=[next((i for i, (x, y) in enumerate(zip(p, q)) if x != y),
-                                    None if len(p) == len(q) else min(len(p), len(q)))
-                               for p, q in zip(r["tokens"], d["tokens"])])
+        out.update(_summarize(a))
     with open(os.path.join(a.workdir, "pd_result.json"), "w") as f:
         json.dump(out, f)
     print("PD_RESULT", json.dumps(out))
+    if a.strict and not all((out.get("checks") or {"ran": False}).values()):
+        sys.exit(1)
+
+
+def _summarize(a) -> dict:
+    def load(name):
+        with open(os.path.join(a.workdir, f"{name}.json")) as f:
+            return json.load(f)
+
+    r, d, p = load("reference"), load("decode"), load("prefill")
+    received, cached = _received(os.path.join(a.workdir, "decode.log"), a.waves)
+    waves = []
+    for k in range(a.waves):
+        rw, dw, pw = r["waves"][k], d["waves"][k], p["waves"][k]
+        # received plus the decode's own cache hits (one line per decode rank)
+        covered = [x + c * d["block_size"] for x, c in zip(received[k], cached[k])]
+        waves.append({
+            "identical": sum(x == y for x, y in zip(rw["tokens"], dw["tokens"])),
+            "prompts": len(rw["tokens"]), "prompt_lens": rw["prompt_lens"],
+            "received_tokens": sorted(received[k]),
+            "all_prompt_tokens_arrived":
+                sorted(covered) == sorted(rw["prompt_lens"] * a.decode_tp),
+            "prefill_prefix_cache_hits": pw["prefix_cache_hits"],
+            "prefill_prefix_cache_queries": pw["prefix_cache_queries"],
+            "prefill_num_cached_tokens": pw["num_cached_tokens"],
+            "first_diff": [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y),
+                                None if len(s) == len(t) else min(len(s), len(t)))
+                           for s, t in zip(rw["tokens"], dw["tokens"])]})
+    # the bytes of the blocks moved: every block of every prompt, read by every
+    # decode rank, less the blocks a decode's own prefix cache held
+    all_lens = [n for k in range(a.waves) for n in r["waves"][k]["prompt_lens"]]
+    blocks = (sum(math.ceil(n / d["block_size"]) for n in all_lens) * a.decode_tp
+              - sum(sum(c) for c in cached))
+    expected_bytes = blocks * d["page_bytes"]
+    metrics = d["transfer_metrics"]
+    out = {**{k: waves[0][k] for k in ("identical", "prompts", "prompt_lens",
+                                       "received_tokens", "first_diff")},
+           "decode_num_cached_tokens": d["num_cached_tokens"],
+           # the prefill's own first token against the reference's
+           "prefill_first_token_same": [t == toks[0] for t, toks in
+                                        zip(p["first_tokens"], r["tokens"])],
+           "wave_results": waves,
+           "prefill_cache_empty_after_s": p["cache_empty_after_s"],
+           "decode_cache_empty_after_s": d["cache_empty_after_s"],
+           "decode_transfer_metrics": metrics, "expected_transfer_bytes": expected_bytes,
+           "decode_block_size": d["block_size"], "page_bytes_all_layers": d["page_bytes"]}
+    n = sum(len(w["prompt_lens"]) for w in waves)
+    out["checks"] = {
+        "identical_tokens": all(w["identical"] == w["prompts"] for w in waves),
+        "every_prompt_token_received": all(w["all_prompt_tokens_arrived"] for w in waves),
+        "prefill_cache_empty": p["cache_empty_after_s"] is not None,
+        "decode_cache_empty": d["cache_empty_after_s"] is not None,
+        "transfers_counted": metrics["ok"] == n * a.decode_tp and metrics["failed"] == 0,
+        "transfer_bytes_exact": metrics["bytes"] == expected_bytes,
+    }
+    if a.waves > 1:
+        out["checks"]["prefill_prefix_cache_hit_in_later_waves"] = all(
+            w["prefill_prefix_cache_hits"] > 0 for w in waves[1:])
+    return out
 
 
 if __name__ == "__main__":

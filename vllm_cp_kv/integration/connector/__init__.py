@@ -8,9 +8,10 @@ Load it with::
         "kv_connector_extra_config": {"transport": "nixl" | "mooncake",
                                       "side_channel_port": 5700}}'
 
-Prefill (producer, sharded with ``cp_kv``, TP = shard group N): a finished
-request keeps its blocks and its client gets ``kv_transfer_params`` with a
-per-request transfer token; every rank serves, on ``side_channel_port +
+Prefill (producer, sharded with ``cp_kv`` over TP, or on GPU over the PCP
+group; the shard rank is the rank in vLLM's DCP group): a finished request
+keeps its blocks and its client gets ``kv_transfer_params`` with a
+per-request transfer token; every shard rank serves, on ``side_channel_port +
 rank``, the handshake (cache layout, transport metadata) and the manifest of
 the blocks it owns with their logical positions
 (:mod:`vllm_cp_kv.core.manifest`), to the token's holder only. Blocks are
@@ -35,7 +36,9 @@ Modules, by responsibility:
 * :mod:`.producer`: prefill worker (served requests, claims, expiry);
 * :mod:`.consumer`: decode worker (the pull);
 * :mod:`.worker`: registration, per-step hand-off, empty-step wait;
-* :mod:`.transfer`: the NIXL and Mooncake byte movers;
+* :mod:`.transfer`: the NIXL and Mooncake byte movers (host or GPU memory);
+* :mod:`.counters`, :mod:`.stats`: transfer figures through vLLM's
+  KV-connector stats channel (log line and Prometheus);
 * :mod:`.connector`: the vLLM interface, delegating to the above.
 
 Why not vLLM's NixlConnector / MooncakeConnector: positions there are implicit

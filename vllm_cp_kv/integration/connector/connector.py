@@ -3,6 +3,8 @@ scheduler side (:mod:`.scheduler`) and the worker side (:mod:`.worker`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -11,6 +13,7 @@ from vllm.logger import init_logger
 
 from .config import ConnectorConfig
 from .scheduler import SchedulerSide, ShardedKVMetadata
+from .stats import ShardedKVPromMetrics, ShardedKVStats
 from .worker import WorkerSide
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
@@ -33,6 +36,11 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(
                 "ShardedKVConnector: the decode (kv_consumer) instance must not be "
                 f"sharded (got shard size {self.shard_size}); drop cp_kv there.")
+        if self.is_consumer and parallel.prefill_context_parallel_size > 1:
+            raise ValueError(
+                "ShardedKVConnector: the decode (kv_consumer) instance runs without "
+                "prefill context parallelism (got --prefill-context-parallel-size "
+                f"{parallel.prefill_context_parallel_size}); use TP there.")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -74,12 +82,10 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
     # Worker-side methods
     # ==============================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
         self._worker = WorkerSide.start(
-            self.cfg, list(kv_caches.values()), get_tensor_model_parallel_rank(),
-            self.engine_id, self.shard_size, self.block_size, self.tp_size,
-            self.is_producer, self.is_consumer)
+            self.cfg, list(kv_caches.values()), shard_rank(self.shard_size), self.engine_id,
+            self.shard_size, self.block_size, self.tp_size, self.is_producer,
+            self.is_consumer)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -87,7 +93,7 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         # transfers run in background threads (see get_transfer_results)
-        self._worker.start_step(forward_context)
+        self._worker.start_step(forward_context, kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass
@@ -103,6 +109,49 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 
+    # ==============================
+    # Transfer figures (docs/disaggregated.md, "Transfer figures")
+    # ==============================
+    def get_kv_connector_stats(self) -> ShardedKVStats | None:
+        data = self._worker.stats() if self._worker is not None else None
+        return ShardedKVStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ShardedKVStats:
+        return ShardedKVStats(data=data if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames,
+                           per_engine_labelvalues) -> ShardedKVPromMetrics:
+        return ShardedKVPromMetrics(vllm_config, metric_types, labelnames,
+                                    per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+
+
+def shard_rank(shard_size: int, dcp_group=None, tp_rank: int | None = None) -> int:
+    """The rank a worker serves (prefill) or reads as (decode).
+
+    A sharded instance (``shard_size`` > 1) shards over vLLM's DCP group, so
+    its shard rank is the rank in that group, as the plugin's ownership rule
+    uses it (``runtime.get_runtime``): the TP rank under TP sharding, the PCP
+    rank under PCP (where every rank has TP rank 0). It names the blocks the
+    worker owns and its side-channel port (``side_channel_port + rank``). An
+    unsharded instance (the decode) uses its TP rank. The groups are vLLM's
+    unless given (tests pass stand-ins)."""
+    if shard_size > 1:
+        if dcp_group is None:
+            from vllm.distributed.parallel_state import get_dcp_group
+
+            dcp_group = get_dcp_group()
+        if dcp_group.world_size != shard_size:
+            raise ValueError(f"ShardedKVConnector: vLLM's DCP group has "
+                             f"{dcp_group.world_size} ranks, the shard group {shard_size}")
+        return dcp_group.rank_in_group
+    if tp_rank is None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp_rank = get_tensor_model_parallel_rank()
+    return tp_rank

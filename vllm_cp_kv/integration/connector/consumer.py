@@ -35,6 +35,7 @@ import msgspec
 
 from ...core.manifest import ManifestError, check_complete, validate_manifest, without_positions
 from ...core.ownership import num_logical_blocks
+from .counters import TransferCounters
 from .params import RULE, TransferParams
 from .side_channel import (MAX_WIRE_LEASE_S, Done, Fetch, FetchReply, Handshake, Ok,
                            Refused, Release, SideChannelClient, new_nonce)
@@ -61,20 +62,27 @@ class Consumer:
     worker's thread, the pulls on their own."""
 
     def __init__(self, local: Handshake, transport, timeout_s: float, secret: bytes | None,
-                 tp_size: int, on_finished: Callable[[], None] = lambda: None):
+                 tp_size: int, on_finished: Callable[[], None] = lambda: None,
+                 counters: TransferCounters | None = None):
         self.local, self.transport = local, transport
         self.timeout_s, self.secret, self.tp_size = timeout_s, secret, tp_size
         self._on_finished = on_finished
+        self.counters = counters if counters is not None else TransferCounters(local.rank)
         self._lock = threading.Lock()
         self._receiving = 0
         self._done: set[str] = set()
         self._failed: set[str] = set()
 
     def start(self, req_id: str, local_ids: list[int], params: TransferParams | None,
-              error: str | None) -> None:
+              error: str | None, ready=None) -> None:
+        """Pull in a thread. ``local_ids[j]``: the local block for logical
+        block j, or -1 where this decode's own prefix cache already holds it
+        (not read). ``ready``: something with ``synchronize()`` (a CUDA event
+        recorded after vLLM zeroed the new blocks) to wait for before the
+        first byte lands."""
         with self._lock:
             self._receiving += 1
-        threading.Thread(target=self._run, args=(req_id, local_ids, params, error),
+        threading.Thread(target=self._run, args=(req_id, local_ids, params, error, ready),
                          daemon=True, name="cp_kv-receive").start()
 
     def take_results(self) -> tuple[set[str], set[str]]:
@@ -92,17 +100,18 @@ class Consumer:
         with self._lock:
             return bool(self._done)
 
-    def _run(self, req_id, local_ids, params, error) -> None:
+    def _run(self, req_id, local_ids, params, error, ready=None) -> None:
         failed = True
         try:
             if error:
                 raise ManifestError(error)
-            self.receive(req_id, local_ids, params)
+            self.receive(req_id, local_ids, params, ready)
             failed = False
         except Exception as e:  # refused metadata, dead or fake peer, timeout
             remote = f" (prefill request {params.remote_request_id})" if params else ""
             logger.error("cp_kv connector: request %s%s failed to receive its KV: %s: %s",
                          req_id, remote, type(e).__name__, e)
+            self.counters.pull_failed()
         with self._lock:
             self._receiving -= 1
             self._done.add(req_id)
@@ -115,11 +124,17 @@ class Consumer:
         bound = shard_size * self.transport.read_bound_s(self.timeout_s) + LEASE_MARGIN_S
         return min(bound, MAX_WIRE_LEASE_S)
 
-    def receive(self, req_id: str, local_ids: list[int], p: TransferParams) -> None:
+    def receive(self, req_id: str, local_ids: list[int], p: TransferParams,
+                ready=None) -> None:
         t0 = time.monotonic()
         n_blocks = num_logical_blocks(p.remote_num_tokens, self.local.block_size)
-        ids = local_ids[:n_blocks]
-        if len(ids) < n_blocks or min(ids) < 0 or max(ids) >= self.local.num_blocks:
+        ids = list(local_ids[:n_blocks])
+        # blocks this decode's prefix cache holds (-1) lead the table; they are
+        # shared with other requests and must not be written
+        cached = next((j for j, b in enumerate(ids) if b >= 0), len(ids))
+        wanted = ids[cached:]
+        if (len(ids) < n_blocks or not wanted or min(wanted) < 0
+                or max(wanted) >= self.local.num_blocks):
             raise ManifestError(f"local block ids {local_ids[:8]} cannot hold {n_blocks} blocks")
         reader = secrets.token_hex(8)  # this pull's name in the prefill's claims
         lease_s = self.lease_s(p.shard_size)
@@ -144,6 +159,11 @@ class Consumer:
             hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
             if hooks and p.cp_kv_test_ignore_positions:
                 manifests = without_positions(manifests)
+            if cached:
+                manifests = {r: [(j, b) for j, b in m if j >= cached]
+                             for r, m in manifests.items()}
+            if ready is not None:  # vLLM's zeroing of the new blocks has run
+                ready.synchronize()
             pause = p.cp_kv_test_pause_s if hooks else 0.0
 
             def before_rank(r: int) -> None:
@@ -158,6 +178,9 @@ class Consumer:
                 self.local.block_bytes, self.timeout_s, before_rank=before_rank,
                 start_by=start_by)
             self._tell(clients, req_id, Done, p, reader, readers=self.tp_size)
+            seconds = time.monotonic() - t0
+            self.counters.pull_ok(len(wanted) * sum(self.local.block_bytes), len(wanted),
+                                  seconds)
         except ReadNotAborted:
             raise  # data may still land: the claims must run out by themselves
         except Exception:
@@ -169,9 +192,11 @@ class Consumer:
             for client in clients:
                 client.close()
         logger.info("cp_kv connector: request %s received %d tokens (%d blocks, %d "
-                    "descriptors) from %d prefill ranks in %.3f s", req_id,
-                    p.remote_num_tokens, n_blocks, num_descs, p.shard_size,
-                    time.monotonic() - t0)
+                    "descriptors, %d bytes) from %d prefill ranks in %.3f s%s", req_id,
+                    p.remote_num_tokens - cached * self.local.block_size, len(wanted),
+                    num_descs, len(wanted) * sum(self.local.block_bytes), p.shard_size,
+                    seconds, f"; {cached} leading blocks from this decode's prefix cache"
+                    if cached else "")
 
     def _fetch(self, client: SideChannelClient, p: TransferParams, reader: str,
                lease_s: float) -> tuple[float, FetchReply]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ...core.manifest import ManifestError, owned_manifest
+from .counters import TransferCounters
 from .side_channel import (Done, Error, Fetch, FetchReply, Handshake, Ok, Release,
                            SideChannelServer)
 
@@ -57,9 +58,10 @@ class Producer:
 
     def __init__(self, rank: int, shard_size: int, block_size: int, handshake: Handshake,
                  expiry_s: float, on_finished: Callable[[], None] = lambda: None,
-                 transport=None):
+                 transport=None, counters: TransferCounters | None = None):
         self.rank, self.shard_size, self.block_size = rank, shard_size, block_size
         self.handshake, self.expiry_s, self.transport = handshake, expiry_s, transport
+        self.counters = counters if counters is not None else TransferCounters(rank)
         self._on_finished = on_finished
         self._lock = threading.Lock()
         self._served: dict[str, Served] = {}
@@ -87,6 +89,7 @@ class Producer:
                 if now > entry.expires and not entry.leases:
                     logger.warning("cp_kv connector: request %s expired after %g s without "
                                    "a transfer; freeing its blocks", req_id, self.expiry_s)
+                    self.counters.expired(len(entry.table))
                     self._finish(req_id)
             self._update_leased()
             finished, self._finished = self._finished, set()
@@ -119,8 +122,10 @@ class Producer:
                     "token (unknown, expired, already read or wrong token)"))
             if isinstance(msg, Fetch):
                 return self._fetch(msg, entry, now)
-            entry.leases.pop(msg.reader, None)
+            claimed = entry.leases.pop(msg.reader, None) is not None
             if isinstance(msg, Release):
+                if claimed:  # one per reader that gave up, however often it says so
+                    self.counters.released()
                 self._update_leased()
                 return Ok(nonce=msg.nonce)
             if len(entry.done) < 1024:
@@ -162,6 +167,7 @@ class Producer:
                     logger.warning("cp_kv connector: request %s: a decode reader's claim "
                                    "ended without a done", req_id)
         if entry.readers and len(entry.done) >= entry.readers and not entry.leases:
+            self.counters.served()
             self._finish(req_id)
             return True
         return False

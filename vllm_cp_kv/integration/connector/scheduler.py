@@ -27,7 +27,8 @@ from .side_channel import MAX_ID_CHARS
 
 @dataclass
 class ShardedKVMetadata(KVConnectorMetadata):
-    # decode: req_id -> (local block ids, checked params or None, error or None)
+    # decode: req_id -> (local block ids, -1 where the decode's own prefix cache
+    # holds the block; checked params or None; error or None)
     to_recv: dict[str, tuple[list[int], TransferParams | None, str | None]] = field(
         default_factory=dict)
     # prefill: req_id -> (virtual block table, prompt tokens, transfer token)
@@ -69,7 +70,15 @@ class SchedulerSide:
                                       len(request.prompt_token_ids or []), self.cfg)
         if error:  # name the prefill's request in the decode's log line, bounded
             error += f" (prefill request {str(params.get('remote_request_id'))[:MAX_ID_CHARS]!r})"
-        self._to_recv[request.request_id] = (list(blocks.get_block_ids()[0]), checked, error)
+        ids = list(blocks.get_block_ids()[0])
+        # This decode's own prefix-cache hit (whole blocks, which vLLM asked the
+        # connector about) leads the table: those blocks may be shared with
+        # running requests and are not written (-1), as vLLM's NixlConnector
+        # reads only the blocks it allocated.
+        local = len(request.prompt_token_ids or []) - num_external_tokens
+        for j in range(min(max(local, 0) // self.block_size, len(ids))):
+            ids[j] = -1
+        self._to_recv[request.request_id] = (ids, checked, error)
 
     def build_connector_meta(self, scheduler_output) -> ShardedKVMetadata:
         meta = ShardedKVMetadata(to_recv=self._to_recv, to_send=self._to_send)

@@ -42,7 +42,7 @@ import os
 import socket
 import threading
 import time
-from typing import Annotated, Callable, Union
+from typing import Annotated, Callable, Literal, Union
 
 import msgspec
 import zmq
@@ -112,6 +112,9 @@ class TransportMeta(Struct, forbid_unknown_fields=True):
     agent_name: Annotated[str, Meta(max_length=128)] = ""
     agent_metadata: Annotated[bytes, Meta(max_length=1 << 20)] = b""
     session: Annotated[str, Meta(max_length=300)] = ""
+    # NIXL: where the registered caches live (host memory, or a GPU's index)
+    mem_type: Literal["DRAM", "VRAM"] = "DRAM"
+    device_id: Annotated[int, Meta(ge=0, lt=1 << 16)] = 0
 
 
 class Handshake(Struct, forbid_unknown_fields=True):

@@ -1,9 +1,20 @@
 """Byte movers for the disaggregated-prefill connector: NIXL and Mooncake.
 
-Both run on CPU machines as shipped here (NIXL over UCX, Mooncake over TCP)
-and on GPU hosts (registering device memory is the transport's business).
+Both run on CPU machines as shipped here (NIXL over UCX, Mooncake over TCP).
 The connector only ever asks for batched one-sided READs of
 ``(remote_addr, local_addr, nbytes)`` ranges from registered memory.
+
+GPU memory (NIXL): a cache on a CUDA device is registered and described as
+NIXL memory type ``VRAM`` with its device index (host memory: ``DRAM``, 0),
+on both sides: the handshake carries the prefill's type and device
+(``TransportMeta``), so the reader describes the remote ranges as they were
+registered there. UCX picks the path; between GPUs of one host that is its
+``cuda_ipc`` transport, which ``UCX_TLS`` must then allow (its default,
+``all``, does). UCX uses cuda_ipc zero-copy for reads only where it detects
+NVLink (otherwise ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``; without it a read is
+staged through host memory over TCP: slow but correct). Mooncake: see
+docs/disaggregated.md (its TCP transport stages GPU memory through host
+buffers).
 """
 
 from __future__ import annotations
@@ -21,6 +32,10 @@ from ...core.manifest import merge_runs, read_descriptors
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
 READ_ATTEMPTS = 2  # Mooncake: see MooncakeTransport.read
+# NIXL: poll a read's state without sleeping for this long, then sleep this
+# long between polls, by the local memory type (a GPU read over cuda_ipc takes
+# 0.05-3 ms; on a CPU host the peer may need the core the reader spins on)
+NIXL_POLL = {"VRAM": (0.005, 0.0001), "DRAM": (0.0002, 0.0005)}
 MOONCAKE_ABORT_GRACE_S = 40.0  # > Mooncake's own 30 s limit on a stalled read
 
 
@@ -74,11 +89,21 @@ class NixlTransport(Transport):
         # thread, in order (reads are short; side-channel work stays parallel).
         self._agent_thread = ThreadPoolExecutor(1, thread_name_prefix="cp_kv-nixl")
 
+    mem_type, device_id = "DRAM", 0  # of the registered caches (set by register)
+
     def register(self, tensors):
-        for t in tensors:
-            self.agent.register_memory(t)
+        kinds = {memory_kind(t) for t in tensors}
+        if len(kinds) != 1:
+            raise TransferError(f"caches on more than one device: {sorted(kinds)}")
+        self.mem_type, self.device_id = kinds.pop()
+        if self.mem_type == "VRAM":  # UCX's CUDA transports on the agent's thread
+            self._agent_thread.submit(torch.cuda.set_device, self.device_id).result()
+        self.agent.register_memory(
+            [(t.data_ptr(), t.numel() * t.element_size(), self.device_id, "")
+             for t in tensors], self.mem_type)
         return {"agent_name": self.agent_name,
-                "agent_metadata": self.agent.get_agent_metadata()}
+                "agent_metadata": self.agent.get_agent_metadata(),
+                "mem_type": self.mem_type, "device_id": self.device_id}
 
     def progress(self):
         self._agent_thread.submit(self.agent.get_new_notifs).result()
@@ -93,16 +118,21 @@ class NixlTransport(Transport):
         name = peer_meta["agent_name"]
         if name not in self._peers:
             self._peers[name] = self.agent.add_remote_agent(peer_meta["agent_metadata"])
-        local = self.agent.get_xfer_descs([(la, n, 0) for _, la, n in reads], "DRAM")
-        remote = self.agent.get_xfer_descs([(ra, n, 0) for ra, _, n in reads], "DRAM")
+        local, remote = nixl_descs(self.agent, reads, (self.mem_type, self.device_id),
+                                   (peer_meta.get("mem_type") or "DRAM",
+                                    int(peer_meta.get("device_id") or 0)))
         handle = self.agent.initialize_xfer("READ", local, remote, self._peers[name])
         try:
             state = self.agent.transfer(handle)
-            deadline = time.monotonic() + timeout_s
+            start = time.monotonic()
+            deadline = start + timeout_s
             while state not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise TransferError(f"NIXL read did not finish in {timeout_s:g} s")
-                time.sleep(0.0005)
+                spin, step = NIXL_POLL[self.mem_type]
+                if now - start > spin:
+                    time.sleep(step)
                 state = self.agent.check_xfer_state(handle)
             if state == "ERR":
                 raise TransferError("NIXL read failed (peer gone?)")
@@ -203,6 +233,27 @@ class MooncakeTransport(Transport):
                                      "and was not aborted")
             raise TransferError(f"Mooncake read did not finish in {wait_s:.3g} s")
         return result[0]
+
+
+def memory_kind(tensor) -> tuple[str, int]:
+    """NIXL's memory type and device id for ``tensor``: ``("VRAM", index)``
+    on a CUDA device, ``("DRAM", 0)`` in host memory."""
+    device = tensor.device
+    if device.type == "cuda":
+        return "VRAM", int(device.index if device.index is not None else 0)
+    if device.type != "cpu":
+        raise TransferError(f"memory on {device} is not supported (CPU or CUDA)")
+    return "DRAM", 0
+
+
+def nixl_descs(agent, reads: list[tuple[int, int, int]], local_kind: tuple[str, int],
+               remote_kind: tuple[str, int]):
+    """NIXL descriptor lists (local, remote) for ``(remote_addr, local_addr,
+    nbytes)`` reads; each side's ranges carry that side's device id and use
+    its memory type, as registered there."""
+    (lt, ld), (rt, rd) = local_kind, remote_kind
+    return (agent.get_xfer_descs([(la, n, ld) for _, la, n in reads], lt),
+            agent.get_xfer_descs([(ra, n, rd) for ra, _, n in reads], rt))
 
 
 def _check_start(start_by: float | None) -> None:

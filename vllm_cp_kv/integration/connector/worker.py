@@ -20,6 +20,7 @@ import torch
 
 from .config import ConnectorConfig
 from .consumer import Consumer
+from .counters import TransferCounters
 from .params import RULE
 from .producer import Producer
 from .side_channel import Handshake, TransportMeta
@@ -37,13 +38,17 @@ class WorkerSide:
         self.idle_wait_s = idle_wait_s
         self._queued_recv: dict = {}
         self._idle_step = False  # this step runs no forward
+        self.counters = TransferCounters(0)  # replaced in start (the worker's rank)
+        self.device: torch.device | None = None  # where the registered caches live
 
     @classmethod
     def start(cls, cfg: ConnectorConfig, caches: list[torch.Tensor], rank: int, engine_id: str,
               shard_size: int, block_size: int, tp_size: int, is_producer: bool,
               is_consumer: bool) -> WorkerSide:
         """Register the caches with the transport; a prefill rank starts
-        serving its side channel on ``cfg.host:cfg.port + rank``."""
+        serving its side channel on ``cfg.host:cfg.port + rank``. ``rank``:
+        the shard rank on the prefill (vLLM's DCP group: the TP rank when
+        sharding over TP, the PCP rank under PCP), the TP rank on the decode."""
         for t in caches:
             assert t.is_contiguous(), "ShardedKVConnector needs contiguous caches"
         transport = make_transport(cfg.transport, cfg.host)
@@ -56,16 +61,18 @@ class WorkerSide:
             dtype=[str(t.dtype) for t in caches], layer_addrs=[t.data_ptr() for t in caches],
             transport=cfg.transport, transport_meta=TransportMeta(**transport.register(caches)))
         side = cls()
+        side.counters = TransferCounters(rank)
+        side.device = caches[0].device
         if is_producer:
             side.producer = Producer(rank, shard_size, block_size, handshake, cfg.expiry_s,
-                                     side.event.set, transport)
+                                     side.event.set, transport, side.counters)
             side.producer.serve(cfg.host, cfg.port + rank, cfg.secret)
             logger.info("cp_kv connector: prefill rank %d/%d serves %s, side channel on %s:%d "
                         "(%s)", rank, shard_size, cfg.transport, cfg.host, cfg.port + rank,
                         "HMAC secret set" if cfg.secret else "no shared secret")
         if is_consumer:
             side.consumer = Consumer(handshake, transport, cfg.timeout_s, cfg.secret, tp_size,
-                                     side.event.set)
+                                     side.event.set, side.counters)
         return side
 
     def bind(self, meta) -> None:
@@ -75,20 +82,41 @@ class WorkerSide:
         # allocated blocks at the start of the step, after this binding.
         self._queued_recv.update(meta.to_recv)
 
-    def start_step(self, forward_context) -> None:
-        # vLLM's connector-only steps bind no attention metadata
-        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
+    def start_step(self, forward_context, load_kwargs: dict | None = None) -> None:
+        # A step without forward: vLLM's connector-only steps bind no attention
+        # metadata (V1 runner), and the V2 runner (GPU) passes no load kwargs
+        # then; with a forward it passes the batch (and starts the load after
+        # the forward, outside the forward context).
+        self._idle_step = (getattr(forward_context, "attn_metadata", None) is None
+                           and not load_kwargs)
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving)."""
+        ready = self._blocks_zeroed() if self._queued_recv else None
         for req_id, (local_ids, params, error) in self._queued_recv.items():
-            self.consumer.start(req_id, local_ids, params, error)
+            self.consumer.start(req_id, local_ids, params, error, ready)
         self._queued_recv = {}
         if self._idle_step:
             self._wait_for_transfer()
         sending = self.producer.take_finished() if self.producer else set()
         recving, failed = self.consumer.take_results() if self.consumer else (set(), set())
         return sending, recving, failed
+
+    def _blocks_zeroed(self):
+        """On a GPU, vLLM zeroes new blocks with a kernel on the current
+        stream, which may still be queued when the step returns; a transport
+        writes through its own streams (UCX cuda_ipc / cuda_copy). An event
+        recorded here is waited for by the receive threads (not by this one)
+        before the first byte lands. ``None`` on CPU (the zeroing ran)."""
+        if self.device is None or self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def stats(self) -> dict | None:
+        """Transfer counts since the last call (:mod:`.counters`)."""
+        return self.counters.take()
 
     def _wait_for_transfer(self) -> None:
         parts = [p for p in (self.producer, self.consumer) if p is not None]
