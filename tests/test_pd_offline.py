@@ -1,8 +1,9 @@
 """Disaggregated prefill with all prompts in flight at once (offline, no
 HTTP): a sharded TP=2 prefill instance (cp_kv, ``kv_producer``) hands its KV
 to an unsharded TP=1 decode instance (``kv_consumer``) over NIXL and over
-Mooncake, real vLLM on CPU (``vllm_cp_kv.tools.pd_offline``, about 2.5
-minutes each on 2 cores; docs/disaggregated.md, "Status").
+Mooncake (opt-in: ``VLLM_CP_KV_RUN_PD_E2E=1``), real vLLM on CPU
+(``vllm_cp_kv.tools.pd_offline``, about 3 minutes each on 2 cores;
+docs/disaggregated.md, "Status").
 
 Asserted against one unsharded TP=1 instance running the same 8 prompts as
 one batch: identical greedy tokens (32 per prompt) for every prompt, the
@@ -55,6 +56,14 @@ pytestmark = needs_vllm
 
 
 WAVES = {"nixl": 2, "mooncake": 1}
+# Mooncake through real vLLM is opt-in, like the HTTP Mooncake tests: the
+# default suite must stay well under 30 minutes on 2 cores, and Mooncake's
+# bytes are checked there by tests/test_transfer_dist.py (same connector code
+# path as NIXL from the manifest on; docs/disaggregated.md, "Status").
+MOONCAKE = pytest.param("mooncake", marks=pytest.mark.skipif(
+    os.environ.get("VLLM_CP_KV_RUN_PD_E2E") != "1",
+    reason="opt-in (VLLM_CP_KV_RUN_PD_E2E=1): Mooncake offline P/D, about 3 more "
+           "minutes on 2 cores"))
 
 
 def page_bytes(model, block_size=16, dtype_bytes=4):
@@ -65,7 +74,7 @@ def page_bytes(model, block_size=16, dtype_bytes=4):
             * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * dtype_bytes)
 
 
-@pytest.mark.parametrize("transport", ["nixl", "mooncake"])
+@pytest.mark.parametrize("transport", ["nixl", MOONCAKE])
 def test_pd_identical_to_single_instance(tiny_dsv2, tmp_path, transport):
     work = str(tmp_path / "pd")
     proc = subprocess.run(
