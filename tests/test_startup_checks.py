@@ -226,6 +226,9 @@ def test_row_bad_option(tiny_dsv2):
     expect_row("bad-option", tiny_dsv2, additional_config={"cp_kv": {"enable": "yes"}})
     expect_row("bad-option", tiny_dsv2, additional_config={"cp_kv": {"enable": True,
                                                                      "decode": "ring"}})
+    expect_row("bad-option", tiny_dsv2, additional_config={"cp_kv": True})
+    expect_row("bad-option", tiny_dsv2, additional_config={"cp_kv": {"enable": True,
+                                                                     "max_scratch_blocks": -1}})
 
 
 def platform_block_size(model):

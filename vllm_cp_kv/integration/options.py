@@ -28,7 +28,7 @@ class CPKVOptions:
     # Collect only sampled rows at the end of a PCP prefill (V2 GPU runner).
     last_token_gather: bool = True
     # Shard the KV cache. False keeps vLLM's layout and only installs the
-    # last-token gather (for PCP > 1 until PCP sharding lands).
+    # last-token gather.
     kv_sharding: bool = True
     # Decode rows: "lse" attends to each rank's owned blocks and merges the
     # partial outputs by log-sum-exp (bytes per step independent of the

@@ -2,9 +2,11 @@
 
 ``register()`` runs in every vLLM process (``vllm.general_plugins`` entry
 point). Every rebinding below is inert unless the running config has
-``additional_config={"cp_kv": {"enable": true}}``; installed but not
-enabled, the plugin changes nothing. Other modules never assign into vLLM:
-they build wrapped classes or functions, and this module installs them.
+``additional_config={"cp_kv": {"enable": true}}`` (item 7: unless the cp_kv
+connector is configured); installed but not enabled, the plugin changes
+nothing. Other modules build wrapped classes or functions and this module
+installs them; item 7's wrapper is assigned by
+``connector.params.patch_input_processor``, called only from here.
 
 =====  ===============================================  ==========  =========
 no.    target (vLLM 0.32)                               installed   scope

@@ -1,7 +1,7 @@
 """``vllm-cp-kv``: the package's command line.
 
     vllm-cp-kv capacity --model PATH --tp 2 [--kv-memory-gib 1] [--block-size 16]
-        [--dtype bfloat16] [--max-model-len N] [--max-num-seqs 256]
+        [--dtype auto] [--max-model-len N] [--max-num-seqs 256]
 
 ``capacity`` reads the model's config (no engine start, no weights) and
 prints the KV tokens a memory budget per rank holds with every rank keeping
