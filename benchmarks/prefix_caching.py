@@ -61,6 +61,8 @@ def run_config(a, name: str, out: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_cp_kv.tools.pd_offline import prefix_cache_counters
+
     final_ctx = a.turns * (a.user_tokens + a.new_tokens)
     working_set = a.conversations * final_ctx
     n = a.pcp if a.pcp > 1 else a.tp
@@ -93,15 +95,15 @@ def run_config(a, name: str, out: str) -> None:
             history[c] = history[c] + users[c][turn]
             prompts.append(TokensPrompt(prompt_token_ids=list(history[c])))
             prompt_tokens += len(history[c])
-        before = counters(llm)
+        before = prefix_cache_counters(llm)
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         elapsed = time.perf_counter() - t
-        after = counters(llm)
+        after = prefix_cache_counters(llm)
         for c, o in enumerate(outs):
             history[c] = history[c] + list(o.outputs[0].token_ids)
         turns.append({"turn": turn, "seconds": elapsed,
-                      **{k: after.get(k, 0) - before.get(k, 0) for k in after}})
+                      **{k: after[k] - before[k] for k in after}})
     total = time.perf_counter() - t0
     queries = sum(t.get("prefix_cache_queries", 0) for t in turns)
     hits = sum(t.get("prefix_cache_hits", 0) for t in turns)
@@ -114,15 +116,6 @@ def run_config(a, name: str, out: str) -> None:
                    # of all prompt tokens (queries is 0 where caching is off)
                    "hit_rate": hits / prompt_tokens,
                    "recomputed_tokens": prompt_tokens - hits, "total_seconds": total}, f)
-
-
-def counters(llm) -> dict:
-    got = {}
-    for m in llm.get_metrics():
-        if m.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
-            key = m.name.split(":")[1]
-            got[key] = got.get(key, 0) + int(m.value)
-    return got
 
 
 def plot(res: dict, path: str) -> None:

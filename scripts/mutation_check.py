@@ -23,7 +23,7 @@ MUTATIONS = [
     ("vllm_cp_kv/core/capacity.py", "by_bytes = available_bytes * shard_size // ((num_layers + shard_size) * page_bytes)", "by_bytes = available_bytes * shard_size // (num_layers * page_bytes)", "tests/test_capacity.py"),
     ("vllm_cp_kv/core/manifest.py", "return [(j, int(virtual_table[spec.table_index(j)]))", "return [(j, int(virtual_table[spec.table_index(j) - 1]))", "tests/test_manifest.py"),
     ("vllm_cp_kv/core/decode.py", "weights = weights / total.clamp(min=1e-30)", "weights = weights / weights.shape[0]", "tests/test_decode.py"),
-    ("vllm_cp_kv/core/decode.py", "k = kv_cache.index_select(0, pages).view(-1, d)[:n].to(compute)", "k = kv_cache.index_select(0, pages).view(-1, d).to(compute)", "tests/test_decode.py"),
+    ("vllm_cp_kv/core/decode.py", "k = kv_cache.index_select(0, table[i, : -(-n // bs)]).view(-1, d)[:n].to(compute)", "k = kv_cache.index_select(0, table[i, : -(-n // bs)]).view(-1, d).to(compute)", "tests/test_decode.py"),
     ("vllm_cp_kv/core/plan.py", "owner = spec.owner_of(j)", "owner = (j + 1) % n", "tests/test_plan.py tests/test_materialize_dist.py"),
     ("vllm_cp_kv/integration/checks.py", "        check_cuda_graphs(args.compilation_config, options)", "        pass", "tests/test_startup_checks.py::test_row_cuda_graphs"),
     ("vllm_cp_kv/integration/checks.py", "        derive_torch_rope(args.compilation_config)", "        pass", "tests/test_startup_checks.py::test_derived_settings"),

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 
+from vllm_cp_kv.tools.pd_offline import prefix_cache_counters
 from vllm_cp_kv.tools.tiny_model import prompts, token_prompts
 
 SENTINEL = 1234.0  # exactly representable in bf16
@@ -303,15 +304,6 @@ def summarize(outs) -> dict:
             "texts": [o.outputs[0].text for o in outs]}
 
 
-def prefix_cache_counters(llm) -> dict:
-    """vLLM's own prefix-cache counters (queries and hits, in tokens)."""
-    got = {}
-    for m in llm.get_metrics():
-        if m.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
-            got[m.name.split(":")[1]] = got.get(m.name.split(":")[1], 0) + int(m.value)
-    return got
-
-
 def run_waves(llm, prompts_, sp, a, res):
     """Wave 1: the prompts; every later wave: each prompt with the same new
     suffix of ``--suffix-len`` tokens (a long shared prefix), after the wave
@@ -335,7 +327,7 @@ def run_waves(llm, prompts_, sp, a, res):
         outs = llm.generate(first if k == 0 else later, sp)
         after = prefix_cache_counters(llm)
         res["waves"].append({**summarize(outs), **{
-            key: after.get(key, 0) - before.get(key, 0) for key in after}})
+            key: after[key] - before[key] for key in after}})
     return outs
 
 

@@ -27,8 +27,7 @@ import torch
 
 def paged_attention_with_lse(q: torch.Tensor, kv_cache: torch.Tensor,
                              block_table: torch.Tensor, seq_lens: torch.Tensor,
-                             scale: float, v_dim: int,
-                             out_dtype: torch.dtype | None = None
+                             scale: float, v_dim: int
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode attention (MQA over the latent) with the softmax LSE.
 
@@ -38,9 +37,8 @@ def paged_attention_with_lse(q: torch.Tensor, kv_cache: torch.Tensor,
             values are its first ``v_dim`` columns.
         block_table: ``[B, C]`` int, physical block of each paged position.
         seq_lens: ``[B]`` tokens to attend to per row (0 allowed).
-        out_dtype: of the output (default: the compute type below).
     Returns:
-        ``out [B, H, v_dim]`` and ``lse [B, H]`` float32
+        ``out [B, H, v_dim]`` in the compute type below and ``lse [B, H]`` float32
         (natural log; ``-inf`` and a zero output where a row has no token).
 
     Each row's pages are gathered into one contiguous key block and
@@ -57,15 +55,15 @@ def paged_attention_with_lse(q: torch.Tensor, kv_cache: torch.Tensor,
     out = q.new_zeros(b, h, v_dim, dtype=compute)
     lse = q.new_full((b, h), float("-inf"), dtype=torch.float32)
     q = q.to(compute)
+    table = block_table.to(device=kv_cache.device, dtype=torch.long)
     for i, n in enumerate(seq_lens.tolist()):
         if n <= 0:
             continue
-        pages = block_table[i, : -(-n // bs)].to(device=kv_cache.device, dtype=torch.long)
-        k = kv_cache.index_select(0, pages).view(-1, d)[:n].to(compute)
+        k = kv_cache.index_select(0, table[i, : -(-n // bs)]).view(-1, d)[:n].to(compute)
         o, l = _attend(q[i], k, scale)
         out[i] = o[:, :v_dim]
         lse[i] = l
-    return out.to(out_dtype or compute), lse
+    return out, lse
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, scale: float):
@@ -75,9 +73,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, scale: float):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q[None, None], k[None, None], k[None, None], scale=scale)
         return o[0, 0], lse[0, 0]
-    scores = (q @ k.T).mul_(scale)  # other devices: the plain formula
-    lse = torch.logsumexp(scores.float(), dim=-1)
-    return torch.softmax(scores.float(), dim=-1).to(k.dtype) @ k, lse
+    # other devices (the GPU debug check's reference): the plain formula,
+    # accumulated in float32 or wider
+    acc = torch.promote_types(k.dtype, torch.float32)
+    k = k.to(acc)
+    scores = (q.to(acc) @ k.T).mul_(scale)
+    return torch.softmax(scores, dim=-1) @ k, torch.logsumexp(scores, dim=-1).float()
 
 
 def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:

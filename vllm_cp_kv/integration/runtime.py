@@ -268,7 +268,7 @@ class ShardRuntime:
         all-gather of output and LSE packed as bytes, then the merge of the
         heads this rank returns (``split_heads``: its ``H / N``, TP; else
         all)."""
-        b, h, d = out.shape
+        _, h, d = out.shape
         width = d * out.element_size()
         packed = torch.cat([out.contiguous().view(torch.uint8),
                             lse.float().unsqueeze(-1).contiguous().view(torch.uint8)], dim=-1)

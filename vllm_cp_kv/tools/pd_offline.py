@@ -158,12 +158,15 @@ def _result(outs) -> dict:
             "num_cached_tokens": [o.num_cached_tokens for o in outs]}
 
 
-def _counters(llm, names) -> dict:
-    """Sums of vLLM's counters ``names`` (over labels) from ``llm.get_metrics()``."""
-    got = dict.fromkeys(names, 0)
+def prefix_cache_counters(llm) -> dict:
+    """vLLM's own prefix-cache counters of an ``LLM`` (tokens, summed over
+    labels): ``{"prefix_cache_queries": q, "prefix_cache_hits": h}`` (also
+    used by tests/run_vllm.py and benchmarks/prefix_caching.py)."""
+    got = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
     for m in llm.get_metrics():
-        if m.name in got and hasattr(m, "value"):
-            got[m.name] += m.value
+        key = m.name.split(":", 1)[-1]
+        if m.name.startswith("vllm:") and key in got:
+            got[key] += int(m.value)
     return got
 
 
@@ -215,21 +218,20 @@ def role_reference(a):
 
 def role_prefill(a):
     llm = _llm(a, "prefill")
-    names = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
     waves, first_tokens = [], []
     for k, wave in enumerate(_waves(a, llm)):
         if k:  # after the decode finished the wave before (its blocks were freed)
             wave_done = os.path.join(a.workdir, f"wave{k - 1}.done")
             if _wait_file(wave_done, os.path.join(a.workdir, "decode.done")) != wave_done:
                 break  # the decode gave up
-        before = _counters(llm, names)
+        before = prefix_cache_counters(llm)
         outs = llm.generate(wave, _sampling(a, {"do_remote_decode": True}, max_tokens=1))
-        after = _counters(llm, names)
+        after = prefix_cache_counters(llm)
         _publish(a, k, [o.kv_transfer_params for o in outs])
         waves.append({"prompts": len(outs),
                       "prompt_lens": [len(o.prompt_token_ids) for o in outs],
                       "num_cached_tokens": [o.num_cached_tokens for o in outs],
-                      **{n.split(":")[1]: int(after[n] - before[n]) for n in names}})
+                      **{key: after[key] - before[key] for key in after}})
         first_tokens.append([o.outputs[0].token_ids[0] for o in outs])
     # the engine serves the decode's reads meanwhile
     _wait_file(os.path.join(a.workdir, "decode.done"))

@@ -100,15 +100,7 @@ def merge(into: dict, other: dict) -> dict:
     for role, ranks in other.items():
         mine = into.setdefault(role, {})
         for rank, counts in ranks.items():
-            if rank not in mine:
-                mine[rank] = {k: (list(v) if isinstance(v, list) else v)
-                              for k, v in counts.items()}
-                continue
-            for key, value in counts.items():
-                if isinstance(value, list):
-                    mine[rank].setdefault(key, []).extend(value)
-                else:
-                    mine[rank][key] = mine[rank].get(key, 0) + value
+            _add(mine.setdefault(rank, {}), counts)
     return into
 
 
@@ -116,9 +108,14 @@ def totals(data: dict, role: str) -> dict:
     """Sums over the ranks of one role (``seconds`` concatenated)."""
     out: dict = {}
     for counts in (data.get(role) or {}).values():
-        for key, value in counts.items():
-            if isinstance(value, list):
-                out.setdefault(key, []).extend(value)
-            else:
-                out[key] = out.get(key, 0) + value
+        _add(out, counts)
     return out
+
+
+def _add(into: dict, counts: dict) -> None:
+    """Add one rank's counts to ``into`` (lists extended into new lists)."""
+    for key, value in counts.items():
+        if isinstance(value, list):
+            into.setdefault(key, []).extend(value)
+        else:
+            into[key] = into.get(key, 0) + value
