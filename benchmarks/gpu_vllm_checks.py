@@ -185,19 +185,28 @@ def run_one(name, spec, out, timeout):
         cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_vllm_ttft.py"),
                path, js, *args]
     t0 = time.time()
-    with open(os.path.join(out, f"{name}.log"), "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log,
+    rc = run_logged(cmd, {**os.environ, **env}, os.path.join(out, f"{name}.log"), timeout)
+    return load_run(out, name, rc, wall_s=round(time.time() - t0, 1))
+
+
+def run_logged(cmd, env, log_path, timeout, header=""):
+    """Run ``cmd`` in its own process group with its output in ``log_path``;
+    the exit code, or "timeout". The group is killed afterwards: vLLM's
+    engine and workers hold GPU memory."""
+    with open(log_path, "w") as log:
+        log.write(header)
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = proc.wait(timeout=timeout)
+            return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            rc = "timeout"
-        finally:  # vLLM's engine and workers hold GPU memory: kill the group
+            return "timeout"
+        finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    return load_run(out, name, rc, wall_s=round(time.time() - t0, 1))
 
 
 def load_run(out, name, rc=0, **extra):

@@ -194,6 +194,8 @@ def run(a) -> dict:
         kw["decode_context_parallel_size"] = a.dcp
     if a.gpu_mem:
         kw.update(gpu_memory_utilization=a.gpu_mem, disable_custom_all_reduce=True)
+    if a.kv_bytes:  # no memory profiling (ranks that share one GPU)
+        kw["kv_cache_memory_bytes"] = a.kv_bytes
     if a.block_size:
         kw["block_size"] = a.block_size
     if a.backend:
@@ -328,6 +330,9 @@ def run_waves(llm, prompts_, sp, a, res):
         after = prefix_cache_counters(llm)
         res["waves"].append({**summarize(outs), **{
             key: after[key] - before[key] for key in after}})
+        if a.stats:  # this wave's totals per rank
+            res["waves"][-1]["stats"] = llm.collective_rpc("cp_kv_stats",
+                                                           kwargs={"reset": True})
     return outs
 
 
@@ -342,6 +347,8 @@ def main() -> None:
                     help='more cp_kv options, e.g. \'{"kv_sharding": false}\'')
     ap.add_argument("--gpu-mem", type=float, default=None,
                     help="gpu_memory_utilization (GPU runs)")
+    ap.add_argument("--kv-bytes", type=int, default=None,
+                    help="kv_cache_memory_bytes per rank (skips memory profiling)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=1024)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from reference import attention, stored_at
-from vllm_cp_kv.core.decode import merge_by_lse, paged_attention_with_lse
+from vllm_cp_kv.core.decode import merge_by_lse, paged_attention_with_lse, query_token_lens
+from vllm_cp_kv.core import debug as core_debug
 from vllm_cp_kv.core.ownership import CPShardSpec, owned_token_count
 
 BS, D, V, H = 16, 576, 512, 4
@@ -105,3 +106,80 @@ def test_merge_ignores_empty_parts_and_keeps_dtype():
     assert torch.allclose(merged.float(), want, rtol=2**-8, atol=2**-8)
     all_empty = merge_by_lse(outs, torch.full((3, 2, H), float("-inf")))
     assert (all_empty == 0).all()
+
+
+def multi_query_decode(q, table, lens_t, qlens, caches, n, lens_fn=None):
+    """Rows with several query tokens, flattened as the backend does: every
+    query token its own row (the request's table row, its own length)."""
+    outs, lses = [], []
+    for r in range(n):
+        spec = CPShardSpec(r, n, BS)
+        rows, local = (lens_fn or query_token_lens)(lens_t, qlens, spec)
+        rows = torch.arange(len(qlens)) if rows is None else rows
+        o, l = paged_attention_with_lse(q, caches[r], table[rows], local, SCALE, V)
+        outs.append(o)
+        lses.append(l)
+    return merge_by_lse(torch.stack(outs), torch.stack(lses))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_rows_with_several_query_tokens_are_causal_per_query(n):
+    """Query t of a row of q new tokens (s in all) sees exactly tokens
+    0 .. s - q + t: float64 attention over that prefix is the reference,
+    for rows whose new tokens cross block and owner boundaries, a row with
+    no context (a short prefill) and one-token rows in the same batch."""
+    lens = [40, 17, 100, 3, 64, 33]
+    qlens = [5, 1, 20, 3, 1, 17]
+    q1, table, lens_t, seqs, caches = sharded_batch(n, lens, seed=10 + n)
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(sum(qlens), H, D, generator=gen)
+    merged = multi_query_decode(q, table, lens_t, qlens, caches, n)
+    k = 0
+    for i, (seq, ql) in enumerate(zip(seqs, qlens)):
+        for t in range(ql):
+            visible = seq.shape[0] - ql + t + 1
+            want, _ = attention(q[k], seq[:visible], SCALE, V)
+            assert torch.allclose(merged[k].double(), want, atol=1e-5), (i, t)
+            k += 1
+    assert k == q.shape[0]
+
+
+def test_one_token_rows_keep_the_request_rows():
+    spec = CPShardSpec(1, 2, BS)
+    rows, lens = query_token_lens(torch.tensor([40, 0, 17]), [1, 0, 1], spec)
+    assert rows is None and lens.dtype == torch.int32
+    assert lens.tolist() == owned_token_count(torch.tensor([40, 0, 17]), spec).tolist()
+
+
+def test_kernel_style_causal_on_local_tokens_is_wrong():
+    """Negative control: masking the query block at the end of each rank's
+    local sequence (a kernel's causal flag on the local view) gives another
+    result once the new tokens are not all on one rank."""
+    n, lens, qlens = 2, [40], [20]  # new tokens 20..39 span blocks 1 and 2
+    q1, table, lens_t, seqs, caches = sharded_batch(n, lens, seed=21)
+    q = torch.randn(20, H, D, generator=torch.Generator().manual_seed(3))
+
+    def end_aligned(seq_lens, query_lens, spec):
+        local = owned_token_count(seq_lens, spec)
+        rows = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        t = torch.arange(rows.numel())
+        return rows, (local[rows] - (query_lens[0] - 1 - t)).clamp(min=0).to(torch.int32)
+
+    bad = multi_query_decode(q, table, lens_t, qlens, caches, n, lens_fn=end_aligned)
+    good = multi_query_decode(q, table, lens_t, qlens, caches, n)
+    assert not torch.allclose(bad, good, atol=1e-3)
+
+
+def test_debug_check_allows_the_kernel_error_twice_and_no_layout_error():
+    """The debug check's tolerance grows with vLLM's own kernel's error on
+    the same view (twice it), never to a layout error's size."""
+    spec = CPShardSpec(0, 2, BS)
+    gen = torch.Generator().manual_seed(7)
+    ref = torch.randn(4, H, V, generator=gen) * 3
+    kernel = ref + 0.1  # vLLM's kernel off by 0.1
+    err, inner = core_debug.check_decode_merge(ref + 0.15, ref, spec, kernel)
+    assert abs(err - 0.15) < 1e-5 and abs(inner - 0.1) < 1e-5
+    with pytest.raises(AssertionError, match="shard-aware decode differs"):
+        core_debug.check_decode_merge(ref + 0.15, ref, spec)  # no kernel: 0.15 > 8 eps
+    with pytest.raises(AssertionError, match="vLLM's kernel on that view"):
+        core_debug.check_decode_merge(ref.roll(1, 0), ref, spec, kernel)  # other rows

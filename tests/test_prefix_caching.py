@@ -15,14 +15,27 @@ view (with CPU_MLA, by the plugin's own prefill).
 
 Negative control: a third wave repeats wave 2 after one cached block owned
 by shard rank 1 was overwritten: the hit is read, so the output changes.
+
+Decode rows with several query tokens (``core/decode.py``): a third run,
+sharded, has the harness's verification shim (scripts/gpu/onegpu/patches.py,
+no. 8) that sends every row of up to 64 new tokens down the decode path, as
+FLASH_ATTN_MLA does on GPU with 512: every row of wave 2 (each short
+extension of a cached context, and the 25-token prompt with nothing cached)
+reaches the shard-aware decode as a multi-token row (vLLM's CPU runner does
+not reorder wave 1's batch, whose first row is long, so wave 1 is all
+prefill). Its tokens must equal the unsharded run's too; on the code before
+the per-query causal limit this run gave 8 of 8 identical prompts in wave 1
+and 0 of 8 in wave 2.
 """
+
+import os
 
 import pytest
 
-from conftest import needs_vllm, run_generate
+from conftest import ROOT, needs_vllm, run_generate
 
 pytestmark = needs_vllm
-PROMPTS = "300,420,530,610,700,810,900,1000"
+PROMPTS = "530,610,700,810,900,1000,1,40"  # the corrupted block (the lowest id) is a hit
 ARGS = ("--dtype", "float32", "--backend", "CPU_MLA", "--max-model-len", "2048",
         "--token-prompts", PROMPTS, "--max-tokens", "24", "--suffix-len", "24")
 
@@ -35,7 +48,15 @@ def runs(held_out, tmp_path_factory):
         "on": run_generate(held_out, d, "on", *ARGS, "--shard", "--waves", "3",
                            "--poison", "--corrupt-between-waves",
                            env={"VLLM_CP_KV_DEBUG": "1"}),
+        "multi": run_generate(held_out, d, "multi", *ARGS, "--shard", "--waves", "2",
+                              "--stats", env=SHIM),
     }
+
+
+SHIM = {"VLLM_CP_KV_DEBUG": "1", "CPKV_SHIM_DECODE_THRESHOLD": "64",
+        "PYTHONPATH": os.pathsep.join(p for p in (
+            os.path.join(ROOT, "scripts", "gpu", "onegpu"), os.environ.get("PYTHONPATH"))
+            if p)}
 
 
 def test_sharded_run_keeps_prefix_caching_on(runs):
@@ -56,9 +77,10 @@ def test_second_wave_hits_the_cache(runs):
           runs["ref"]["waves"][1].get("prefix_cache_hits"))
 
 
+@pytest.mark.parametrize("run", ["on", "multi"])
 @pytest.mark.parametrize("wave", [0, 1])
-def test_tokens_equal_the_unsharded_run(runs, wave):
-    ref, on = runs["ref"]["waves"][wave], runs["on"]["waves"][wave]
+def test_tokens_equal_the_unsharded_run(runs, wave, run):
+    ref, on = runs["ref"]["waves"][wave], runs[run]["waves"][wave]
     assert ref["prompt_lens"] == on["prompt_lens"]
     assert ref["tokens"] == on["tokens"]
     diff = max(abs(p - q) for a, b in zip(ref["logprobs"], on["logprobs"])
@@ -76,3 +98,14 @@ def test_a_corrupted_cached_block_changes_the_next_hit(runs):
     wave2, wave3 = on["waves"][1], on["waves"][2]
     assert wave3["prefix_cache_hits"] > 0
     assert wave3["tokens"] != wave2["tokens"]
+
+
+def test_multi_token_rows_reached_the_shard_aware_decode(runs):
+    multi = runs["multi"]
+    assert "patches armed" in multi["log"]  # the shim ran in the workers
+    stats = [s for s in multi["waves"][1]["stats"] if s]  # wave 2, per rank
+    assert len(stats) == 2
+    assert all(s["multi_query_decode_steps"] >= 1 for s in stats), stats
+    # the debug check compared the merged decode with the full view
+    assert all(s["debug_decode_checks"] > 0 for s in stats)
+    assert "debug invariants hold" in multi["log"]

@@ -18,11 +18,52 @@ first ``owned_token_count`` tokens of the paged sequence that the (shared)
 virtual block table describes. Any paged-attention kernel that returns the
 LSE runs on it unchanged; :func:`paged_attention_with_lse` is the torch one
 for platforms whose MLA kernels do not return it (vLLM's CPU backends).
+
+**Rows with several query tokens** (speculative verification, or a short
+prefill a backend routes to its decode path) are handled in one place,
+:func:`query_token_lens`: query ``t`` of a row of ``q`` new tokens and ``s``
+tokens in all sits at position ``s - q + t`` and sees the ``s - q + t + 1``
+tokens up to it, of which this rank owns ``owned_token_count(s - q + t + 1)``,
+a prefix of its paged sequence. So every query token becomes a row of its
+own (the request's block-table row, its own length), as vLLM's TRITON_MLA
+flattens a multi-token block, and the kernels see single-token rows only;
+the merge by LSE is per query token and does not change. A kernel's own
+causal mask cannot be used instead: it aligns the queries with the end of
+the local sequence, but on a rank that does not own the newest block the
+queries see the same local tokens.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .ownership import CPShardSpec, owned_token_count
+
+
+def query_token_lens(seq_lens: torch.Tensor, query_lens: list[int], spec: CPShardSpec
+                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """This rank's key count for every query token of the decode rows.
+
+    Args:
+        seq_lens: ``[D]`` tokens of each decode row after this step (any
+            device; no host sync).
+        query_lens: host, new tokens of each row (0 for padding rows).
+    Returns:
+        ``(rows, lens)``: ``rows [T]`` the row of each query token, on
+        ``seq_lens``' device, or None when no row has more than one token
+        (then ``T == D`` and row ``i`` is query ``i``); ``lens [T]`` int32
+        (the kernels' type), the owned tokens query token ``t`` attends to.
+    """
+    seq = seq_lens.long()
+    if max(query_lens, default=0) <= 1:
+        return None, owned_token_count(seq, spec).to(torch.int32)
+    q = torch.tensor(query_lens, dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(q.numel()), q)
+    first = torch.cumsum(q, 0) - q
+    after = q[rows] - 1 - (torch.arange(rows.numel()) - first[rows])  # later queries of the row
+    rows = rows.to(seq.device)
+    visible = seq[rows] - after.to(seq.device)
+    return rows, owned_token_count(visible, spec).to(torch.int32)
 
 
 def paged_attention_with_lse(q: torch.Tensor, kv_cache: torch.Tensor,

@@ -23,6 +23,8 @@ is Triton-only); the impl does both where needed.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 from functools import cache
 
@@ -31,7 +33,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..core import debug as core_debug
-from ..core.decode import paged_attention_with_lse
+from ..core.decode import paged_attention_with_lse, query_token_lens
 from ..core.ownership import owned_token_count
 from ..core.plan import plan_materialization, plan_split_requests
 from .options import options_of
@@ -92,16 +94,44 @@ def prefill_with_context(common, num_decodes: int) -> bool:
 
 
 def decode_view(common, num_decodes: int, spec, gather_heads: bool) -> DecodeView:
-    """This rank's paged view of the decode rows' owned tokens."""
+    """This rank's paged view of the decode rows' owned tokens, one row per
+    query token (rows with several query tokens: ``core/decode.py``). The
+    lengths are computed here, on the device and in int32, whichever model
+    runner built the batch: vLLM's V2 runner fills ``dcp_local_seq_lens``
+    without its host upper bound, and its lengths are per request."""
     table = common.block_table_tensor[:num_decodes]
-    local = getattr(common, "dcp_local_seq_lens", None)
-    host = getattr(common, "dcp_local_seq_lens_cpu_upper_bound", None)
-    if local is None or host is None:  # vLLM fills both when DCP > 1
-        host = owned_token_count(host_seq_lens(common)[:num_decodes], spec)
-        local = host.to(table.device)
-    return DecodeView(block_table=table, local_lens=local[:num_decodes],
-                      max_local_len=int(host[:num_decodes].max()) if num_decodes else 0,
-                      gather_heads=gather_heads)
+    qsl_cpu = common.query_start_loc_cpu[: num_decodes + 1]
+    query_lens = (qsl_cpu[1:] - qsl_cpu[:-1]).tolist()
+    rows, local = query_token_lens(common.seq_lens[:num_decodes], query_lens, spec)
+    # an upper bound is enough for the kernels' launch sizes (owned counts
+    # grow with the sequence)
+    max_local = int(owned_token_count(host_seq_lens(common)[:num_decodes], spec).max()) \
+        if num_decodes else 0
+    if rows is None:
+        return DecodeView(block_table=table, local_lens=local, max_local_len=max_local,
+                          gather_heads=gather_heads,
+                          query_start_loc=common.query_start_loc[: num_decodes + 1],
+                          query_start_loc_cpu=qsl_cpu)
+    one = torch.arange(rows.numel() + 1, dtype=torch.int32)
+    return DecodeView(block_table=table.index_select(0, rows), local_lens=local,
+                      max_local_len=max_local, gather_heads=gather_heads,
+                      query_start_loc=one.to(table.device), query_start_loc_cpu=one,
+                      multi_query=True)
+
+
+def decode_threshold(vllm_config, inner_threshold: int | None) -> int | None:
+    """Longest row the shard-aware decode takes: a verification row of
+    speculative decoding (vLLM's ``max_decode_query_len``), never more than
+    the inner backend's own threshold. FLASH_ATTN_MLA and FLASHMLA route
+    prefills of up to 512 and 128 tokens to their decode path; over a long
+    cached context such a row would read the owned blocks once per query
+    token, so here it is a prefill that reads one full view (as vLLM's DCP
+    lowers the threshold where its kernels cannot mask the layout)."""
+    from vllm.v1.attention.backend import max_decode_query_len
+
+    if inner_threshold is None:
+        return None
+    return min(inner_threshold, max_decode_query_len(vllm_config))
 
 
 def plan_batch(common, block_size: int, num_decodes: int, *, whole: bool,
@@ -156,6 +186,7 @@ def plan_batch(common, block_size: int, num_decodes: int, *, whole: bool,
                      num_decodes=num_decodes)
     if lse_decode and num_decodes:
         made.decode = decode_view(common, num_decodes, runtime.spec, gather_heads)
+        batch.multi_query |= made.decode.multi_query
     if prefill_whole:
         made.prefill_rows = prefill_rows(common, num_decodes)
     batch.plans[key] = made
@@ -181,17 +212,23 @@ def translated(common, full_table):
 
 
 @cache
-def sharded_backend(inner: type, unsharded_view) -> type:
+def sharded_backend(inner: type, unsharded_view, float32_lse=None) -> type:
     """Return the sharded subclass of MLA backend ``inner``.
 
     ``unsharded_view(vllm_config)``: the context in which vLLM's MLA code
-    initializes as if DCP were off (``plugin.unsharded_view``, passed in so
-    that this module never rebinds vLLM itself).
+    initializes as if DCP were off; ``float32_lse()``: the context in which
+    the inner decode kernel returns a float32 LSE, for backends whose kernel
+    returns it in the model dtype (TRITON_MLA), yielding a dict whose "lse"
+    holds it after the call (``plugin.unsharded_view`` and
+    ``plugin.float32_decode_lse``, passed in so that this module never
+    rebinds vLLM itself).
     """
     inner_impl = inner.get_impl_cls()
     inner_builder = inner.get_builder_cls()
     # sparse MLA reads every token of the batch through the cache
     sparse = bool(getattr(inner, "is_sparse", lambda: False)())
+    lse_context = float32_lse if float32_lse and inner.get_name() in FLOAT32_LSE_BACKENDS \
+        else _kernel_lse
 
     class Builder(inner_builder):
         def __init__(self, kv_cache_spec, layer_names, vllm_config, device,
@@ -200,9 +237,22 @@ def sharded_backend(inner: type, unsharded_view) -> type:
                 super().__init__(kv_cache_spec, layer_names, vllm_config, device,
                                  *args, **kwargs)
             self.cp_kv_lse_decode = lse_decode_enabled(vllm_config, sparse)
+            if self.cp_kv_lse_decode:  # read by the model runner after this
+                self.reorder_batch_threshold = decode_threshold(
+                    vllm_config, self.reorder_batch_threshold)
             # TP shard group: each rank's layer holds H / N query heads
             self.cp_kv_gather_heads = \
                 vllm_config.parallel_config.prefill_context_parallel_size == 1
+            if self.cp_kv_lse_decode and self.cp_kv_gather_heads and \
+                    hasattr(self, "_reserve_attn_logits_workspace"):
+                # TRITON_MLA sizes its split-KV workspace for the layer's
+                # heads; the shard-aware decode runs it with all H heads
+                saved = self.dcp_world_size
+                self.dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
+                try:
+                    self._reserve_attn_logits_workspace()
+                finally:
+                    self.dcp_world_size = saved
             # vLLM's CPU_MLA prefill cannot read a cached context (vLLM turns
             # prefix caching and chunked prefill off for it); with the full
             # view the plugin can, so it runs such prefills itself
@@ -226,14 +276,17 @@ def sharded_backend(inner: type, unsharded_view) -> type:
                     f"{inner.get_name()} builder split {metadata.num_decodes}.")
             if made.decode is not None and common.block_table_tensor.is_cuda:
                 metadata.decode = self._local_decode(common, made.decode)
+            if made.decode is not None and inner.get_name() in KERNEL_CHECK_BACKENDS \
+                    and get_runtime(self.kv_cache_spec.block_size).debug:
+                made.build_decode = self._build_decode  # vLLM's kernel on a view
             metadata.cp_kv = made
             return metadata
 
         def _local_decode(self, common, view):
             """GPU: the decode rows' metadata for this rank's own blocks, as
             vLLM's DCP builds it (its ``_build_decode`` with the local
-            lengths), sized for the gathered heads under TP."""
-            nd = view.block_table.shape[0]
+            lengths), one query token per row, sized for the gathered heads
+            under TP."""
             saved = self.dcp_world_size
             if view.gather_heads:
                 self.dcp_world_size = get_runtime(self.kv_cache_spec.block_size).spec.size
@@ -241,10 +294,10 @@ def sharded_backend(inner: type, unsharded_view) -> type:
                 return self._build_decode(
                     block_table_tensor=view.block_table, seq_lens_device=view.local_lens,
                     max_seq_len=max(view.max_local_len, 1),
-                    query_start_loc_cpu=common.query_start_loc_cpu[: nd + 1],
-                    query_start_loc_device=common.query_start_loc[: nd + 1],
-                    num_decode_tokens=nd, max_query_len=1,
-                    dcp_tot_seq_lens_device=common.seq_lens[:nd])
+                    query_start_loc_cpu=view.query_start_loc_cpu,
+                    query_start_loc_device=view.query_start_loc,
+                    num_decode_tokens=view.local_lens.shape[0], max_query_len=1,
+                    dcp_tot_seq_lens_device=None)
             finally:
                 self.dcp_world_size = saved
 
@@ -282,7 +335,7 @@ def sharded_backend(inner: type, unsharded_view) -> type:
                                                self.kv_lora_rank)
             if runtime.debug and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self._check_against_full_view(runtime, q, out, attn_metadata,
-                                              kv_c_and_k_pe_cache)
+                                              kv_c_and_k_pe_cache, layer)
             return out, None
 
         def _lse_decode_kernel(self, runtime, q, kv_cache, attn_metadata, layer):
@@ -298,27 +351,35 @@ def sharded_backend(inner: type, unsharded_view) -> type:
                 q = runtime.gather_heads(q)
             # the kernel sees a plain paged sequence (no DCP masking: a
             # decode query sees every key), and returns its LSE
+            if view.multi_query:  # FLASHMLA shapes its queries by the row count
+                attn_metadata = copy.copy(attn_metadata)
+                attn_metadata.num_decodes = view.local_lens.shape[0]
             self.need_to_return_lse_for_decode = True
             try:
-                out, lse = super().forward_mqa(q, kv_cache, attn_metadata, layer)
+                with lse_context() as float32:
+                    out, lse = super().forward_mqa(q, kv_cache, attn_metadata, layer)
+                lse = float32.get("lse", lse)
             finally:
                 self.need_to_return_lse_for_decode = False
-            nd = view.block_table.shape[0]
             combine = cp_lse_ag_out_rs if view.gather_heads else cp_lse_ag_out_ar
             merged = combine(out, lse, runtime.group, is_lse_base_on_e=self.lse_base_on_e,
-                             seq_lens=view.local_lens,
-                             query_start_loc=attn_metadata.query_start_loc[: nd + 1])
+                             seq_lens=view.local_lens, query_start_loc=view.query_start_loc)
             runtime.count_merge(out, lse)
             return merged
 
-        def _check_against_full_view(self, runtime, q, out, attn_metadata, kv_cache):
+        def _check_against_full_view(self, runtime, q, out, attn_metadata, kv_cache,
+                                     layer):
             """Debug: once per step, the merged decode output of one layer
-            against attention over the materialized full view."""
+            against float32 attention over the materialized full view, and
+            vLLM's own decode kernel on that view against the same
+            reference (rows of one query token each; both errors go to the
+            statistics)."""
             batch = runtime.batch()
             if batch.debug_decode_checked:
                 return
             batch.debug_decode_checked = True
-            view = attn_metadata.cp_kv.decode
+            made = attn_metadata.cp_kv
+            view = made.decode
             # whole lengths: every rank's owned counts, summed
             lens = runtime.group.all_gather(
                 view.local_lens.reshape(1, -1).long(), dim=0).sum(dim=0).cpu()
@@ -331,9 +392,24 @@ def sharded_backend(inner: type, unsharded_view) -> type:
             if view.gather_heads:
                 h = out.shape[1]
                 ref = ref[:, runtime.spec.rank * h:(runtime.spec.rank + 1) * h]
-            core_debug.check_decode_merge(out, ref, runtime.spec)
-            logger.info_once("cp_kv: debug: LSE-merged decode equals attention over "
-                             "the materialized full view.")
+            unsharded = None
+            if made.build_decode is not None and not view.multi_query:
+                md = copy.copy(attn_metadata)
+                md.decode = made.build_decode(
+                    block_table_tensor=plan.full_block_table.to(view.block_table.device),
+                    seq_lens_device=lens.to(device=view.local_lens.device, dtype=torch.int32),
+                    max_seq_len=max(int(lens.max()), 1),
+                    query_start_loc_cpu=view.query_start_loc_cpu,
+                    query_start_loc_device=view.query_start_loc,
+                    num_decode_tokens=lens.numel(), max_query_len=1,
+                    dcp_tot_seq_lens_device=None)
+                unsharded = super().forward_mqa(q, full, md, layer)[0]
+            err, inner_err = core_debug.check_decode_merge(out, ref, runtime.spec, unsharded)
+            runtime.stats.note_decode_check(err, inner_err)
+            if runtime.stats.debug_decode_checks == 1:
+                logger.info("cp_kv: debug: LSE-merged decode equals attention over the "
+                            "materialized full view (largest difference %.3g; vLLM's "
+                            "kernel on that view: %s).", err, inner_err)
 
         def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache,
                         attn_metadata, k_scale, output, output_scale=None):
@@ -384,6 +460,23 @@ def sharded_backend(inner: type, unsharded_view) -> type:
     for cls, role in ((Backend, "Backend"), (Impl, "Impl"), (Builder, "Builder")):
         cls.__name__ = cls.__qualname__ = f"ShardedKV{role}_{inner.get_name()}"
     return Backend
+
+
+# Backends whose decode metadata is all ``_build_decode`` makes, so that the
+# debug check can run vLLM's kernel on a full view (AMX_MLA adds fields in
+# its build()).
+KERNEL_CHECK_BACKENDS = ("CPU_MLA", "FLASH_ATTN_MLA", "FLASHMLA", "TRITON_MLA")
+
+# Backends whose decode kernel returns its LSE in the model dtype in vLLM
+# 0.32 (TRITON_MLA: bf16, off by up to 0.06 for long contexts, a 6% weight
+# in the merge); around the shard-aware decode they write a float32 LSE.
+FLOAT32_LSE_BACKENDS = ("TRITON_MLA",)
+
+
+@contextlib.contextmanager
+def _kernel_lse():
+    """The inner kernel's own LSE (float32 in FA3 and FlashMLA)."""
+    yield {}
 
 
 # Backends whose prefill cannot read a cached context in vLLM 0.32 (CPU_MLA:

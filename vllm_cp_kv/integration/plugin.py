@@ -24,6 +24,8 @@ no.    target (vLLM 0.32)                               installed   scope
 9      V2 ``model_runner.set_forward_context``          worker      PCP only
 10     ``DeepseekV32IndexerCache.get_attn_backend`` and worker      sparse
        ``deepseek_v32.attention.sparse_attn_indexer``
+11     ``triton_mla.decode_attention_fwd``              ``with``    scoped
+                                                        block
 =====  ===============================================  ==========  =========
 
 Why each is needed:
@@ -64,6 +66,11 @@ Why each is needed:
 10. Sparse (DeepSeek-V3.2) models: the indexer cache's builder plans with the
     latent and sees the full view, and vLLM's indexer op runs on the full
     view (``sparse.py``).
+11. TRITON_MLA's decode allocates its LSE in the model dtype; a bf16 LSE of
+    an 8K context is off by up to 0.06, a 6% error in the weight of a
+    rank's partial output in the LSE merge (measured on one H200: the debug
+    check failed by that much). Around the shard-aware decode call only,
+    the kernel writes a float32 LSE (:func:`float32_decode_lse`).
 """
 
 from __future__ import annotations
@@ -168,7 +175,7 @@ def _patch_backend_selector() -> None:
             check_sparse_backend(cls.get_name())
         check_decode_backend(cls, current_platform.is_cuda_alike(),
                              lse_decode_enabled(vllm_config, attn_selector_config.use_sparse))
-        return sharded_backend(cls, unsharded_view)
+        return sharded_backend(cls, unsharded_view, float32_decode_lse)
 
     selector._cached_get_attn_backend = cached_get_attn_backend
 
@@ -277,7 +284,9 @@ def unsharded_view(vllm_config):
     FLASHMLA_SPARSE switches to vLLM's own PCP+DCP gather. The sharded
     kernels read a complete materialized view (prefill) or merge their
     partial decode outputs themselves, so all of them must initialize
-    exactly as unsharded (same kernel per request as an unsharded run).
+    exactly as unsharded; the shard-aware decode then lowers the decode
+    threshold itself (``backend.decode_threshold``: a short prefill reads
+    the full view, as vLLM's DCP sends it to the prefill path).
     """
     parallel = vllm_config.parallel_config
     modules = [importlib.import_module(name) for name in _DCP_READERS]
@@ -345,6 +354,30 @@ def patch_sparse_indexer() -> None:
         return sharded_indexer_backend(orig_backend(self), unsharded_view)
 
     DeepseekV32IndexerCache.get_attn_backend = get_attn_backend
+
+
+# -- 11 ---------------------------------------------------------------------
+@contextlib.contextmanager
+def float32_decode_lse():
+    """Within the block, vLLM's Triton MLA decode kernel writes its LSE into
+    a float32 buffer (its reduction stores into any float buffer) instead
+    of the model-dtype one ``TritonMLAImpl.forward_mqa`` allocates; the
+    yielded dict holds it as "lse" after the call."""
+    import torch
+    from vllm.v1.attention.backends.mla import triton_mla
+
+    orig = triton_mla.decode_attention_fwd
+    box: dict = {}
+
+    def decode_attention_fwd(q, k_buffer, v_buffer, o, lse, *args, **kwargs):
+        box["lse"] = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+        return orig(q, k_buffer, v_buffer, o, box["lse"], *args, **kwargs)
+
+    triton_mla.decode_attention_fwd = decode_attention_fwd
+    try:
+        yield box
+    finally:
+        triton_mla.decode_attention_fwd = orig
 
 
 def register() -> None:

@@ -55,18 +55,23 @@ class PCPStep:
 
 @dataclass(frozen=True)
 class DecodeView:
-    """Decode rows' view of the persistent cache (shard-aware decode).
+    """Decode rows' view of the persistent cache (shard-aware decode), one
+    row per query token (``core.decode.query_token_lens``).
 
     ``block_table`` is vLLM's shared virtual table (on this rank, column
-    ``c`` holds logical block ``c * N + rank``) and ``local_lens`` the
-    tokens this rank owns of each request: together a paged sequence of
-    exactly this rank's tokens.
+    ``c`` holds logical block ``c * N + rank``), its row repeated for each
+    query token of a request, and ``local_lens`` the tokens this rank owns
+    that each query token sees: together a paged sequence of exactly this
+    rank's visible tokens per query token.
     """
 
-    block_table: torch.Tensor  # [D, C]
-    local_lens: torch.Tensor  # [D]
-    max_local_len: int  # host
+    block_table: torch.Tensor  # [T, C]
+    local_lens: torch.Tensor  # [T] int32
+    max_local_len: int  # host, an upper bound
     gather_heads: bool  # TP shard group: this rank's queries hold H / N heads
+    query_start_loc: torch.Tensor  # [T + 1] int32 on the device: one query per row
+    query_start_loc_cpu: torch.Tensor  # [T + 1] int32
+    multi_query: bool = False  # some request row had several query tokens
 
 
 @dataclass
@@ -82,6 +87,7 @@ class BatchPlan:
     # (CPU_MLA with a cached context): (row, query start, query len, seq len)
     prefill_rows: list | None = None
     views: dict = field(default_factory=dict)  # cache data_ptr -> full view
+    build_decode: object = None  # debug: the builder's _build_decode (vLLM's kernel on a view)
     prefetcher: object = None  # LayerPrefetcher of this batch (GPU, cp_kv.prefetch)
 
 
@@ -93,6 +99,7 @@ class BatchContext:
     padding: tuple | None = None  # (local padding mask, PCP-gathered mask)
     plans: dict = field(default_factory=dict)  # whole-sequence flag -> BatchPlan
     has_prefill: bool = False  # for the statistics: a prefill or a decode step
+    multi_query: bool = False  # a decode row had several query tokens
     debug_decode_checked: bool = False
 
 
@@ -107,6 +114,18 @@ class ShardStats:
     decode_bytes: int = 0  # materialization or LSE exchange in decode-only steps
     last_step_bytes: int = 0
     decode_step_bytes: list = field(default_factory=list)  # the last 256 decode steps
+    multi_query_decode_steps: int = 0  # steps whose decode rows had several query tokens
+    # VLLM_CP_KV_DEBUG: the merged decode's largest error against float32
+    # attention over the full view, and vLLM's own kernel's on that view
+    debug_decode_checks: int = 0
+    debug_decode_err_max: float = 0.0
+    debug_unsharded_err_max: float | None = None
+
+    def note_decode_check(self, err: float, unsharded: float | None) -> None:
+        self.debug_decode_checks += 1
+        self.debug_decode_err_max = max(self.debug_decode_err_max, err)
+        if unsharded is not None:
+            self.debug_unsharded_err_max = max(self.debug_unsharded_err_max or 0.0, unsharded)
 
     def as_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, list) else v)
@@ -162,7 +181,7 @@ class ShardRuntime:
             yield batch
         finally:
             if self._batch is not None and (self._batch.plans or self._step_bytes):
-                self._count_step(self._batch.has_prefill)
+                self._count_step(self._batch)
             self.end_batch()
 
     def new_batch(self) -> BatchContext:
@@ -182,8 +201,9 @@ class ShardRuntime:
     def reset_stats(self) -> None:
         self.stats = ShardStats()
 
-    def _count_step(self, has_prefill: bool) -> None:
-        s, n = self.stats, self._step_bytes
+    def _count_step(self, batch: BatchContext) -> None:
+        s, n, has_prefill = self.stats, self._step_bytes, batch.has_prefill
+        s.multi_query_decode_steps += batch.multi_query
         s.last_step_bytes = n
         if has_prefill:
             s.prefill_steps += 1

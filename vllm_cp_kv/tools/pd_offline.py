@@ -51,7 +51,9 @@ group (``--prefill-pcp 2``, TP=1, ``CUDA_VISIBLE_DEVICES=0,1``,
 (``CUDA_VISIBLE_DEVICES=0``, ``--decode-gpu-mem``; it shares GPU 0 with prefill
 rank 0 and starts once the prefill has finished its wave, so that their memory
 profiling does not overlap), the reference is one instance on GPU 0 before
-both. The model needs DeepSeek head sizes (``python -m
+both. A ``CUDA_VISIBLE_DEVICES`` set by the caller is kept for every instance,
+and ``--kv-bytes`` fixes each rank's KV memory (both for the one-GPU harness,
+scripts/gpu/onegpu, where all ranks share GPU 0). The model needs DeepSeek head sizes (``python -m
 vllm_cp_kv.tools.tiny_model DIR --gpu-heads``). The decode's own prefix
 caching is off (``--decode-prefix-caching`` turns it on; the decode then
 reads only the blocks its cache lacks, and "received" counts those). With
@@ -103,6 +105,8 @@ def _llm(a, role: str):
     if gpu:
         kw.update(gpu_memory_utilization=a.gpu_mem if role == "prefill" else a.decode_gpu_mem,
                   disable_custom_all_reduce=True)
+        if a.kv_bytes:  # per rank; skips memory profiling
+            kw["kv_cache_memory_bytes"] = a.kv_bytes
         if role == "prefill" and a.prefill_pcp > 1:
             kw.update(tensor_parallel_size=1, prefill_context_parallel_size=a.prefill_pcp)
         if role == "decode" and not a.decode_prefix_caching:
@@ -291,7 +295,7 @@ def _spawn(a, role: str, env: dict):
             argv += [flag] if value else []
         else:
             argv += [flag, str(value)]
-    if a.device == "cuda":
+    if a.device == "cuda" and "CUDA_VISIBLE_DEVICES" not in os.environ:
         env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(
             str(i) for i in range(a.prefill_pcp * a.prefill_tp if role == "prefill"
                                   else a.decode_tp))}
@@ -351,6 +355,9 @@ def main() -> None:
                     help="GPU: prefill PCP size, the shard group (default 2)")
     ap.add_argument("--gpu-mem", type=float, default=0.3,
                     help="GPU: the prefill's gpu_memory_utilization (of each GPU)")
+    ap.add_argument("--kv-bytes", type=int, default=None,
+                    help="GPU: kv_cache_memory_bytes per rank of every instance "
+                         "(no memory profiling)")
     ap.add_argument("--decode-gpu-mem", type=float, default=0.3,
                     help="GPU: the decode's and the reference's gpu_memory_utilization")
     ap.add_argument("--decode-prefix-caching", action="store_true",

@@ -45,7 +45,7 @@ def build_tokenizer(vocab_size: int):
 
 def build(out_dir: str, *, gpu_heads: bool = False, num_layers: int = 3,
           moe: bool = True, seed: int = 0, init: float = 0.2, hidden: int = 384,
-          heads: int = 6, vocab: int = 700) -> str:
+          heads: int = 6, vocab: int = 700, max_positions: int = 4096) -> str:
     """Write a model directory and return its path (skips if present)."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
@@ -61,7 +61,7 @@ def build(out_dir: str, *, gpu_heads: bool = False, num_layers: int = 3,
         qk_rope_head_dim=64, qk_nope_head_dim=nope, v_head_dim=v, head_dim=64,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         first_k_dense_replace=1 if moe else num_layers,
-        max_position_embeddings=4096, tie_word_embeddings=False,
+        max_position_embeddings=max_positions, tie_word_embeddings=False,
         initializer_range=init, topk_method="greedy", n_group=1, topk_group=1,
         norm_topk_prob=False, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,

@@ -1,0 +1,416 @@
+"""Every multi-rank GPU path of cp_kv in real vLLM 0.32 on ONE GPU: the
+one-GPU harness (scripts/gpu/onegpu: gloo collectives, every rank on GPU 0,
+eager only), several runs at a time.
+
+Usage (on the GPU machine, after ``source scripts/gpu/setup_device.sh``):
+    python benchmarks/gpu_onegpu.py OUT_DIR [--runs GROUP|NAME,...]
+        [--budget-s 540] [--parallel 4]
+    python benchmarks/gpu_onegpu.py OUT_DIR --summarize   (here, afterwards)
+GROUPs: ``tp`` (TP=2 with FLASH_ATTN_MLA, FLASHMLA, TRITON_MLA, their
+multi-token decode rows, prefix caching, TP=4), ``pcp`` (PCP=2 dense, MoE,
+both sparse backends), ``pd`` (a TP=2 sharded prefill feeding a TP=1 decode
+over NIXL), ``all``.
+
+Runs go through ``tests/run_vllm.py`` (and ``vllm_cp_kv.tools.pd_offline``)
+as in benchmarks/gpu_vllm_checks.py, with a fixed KV budget per rank
+(``--kv-bytes``: no memory profiling, so ranks that share the GPU do not
+count each other's memory) and a small ``gpu_memory_utilization``, so that
+up to ``--parallel`` runs share the GPU. Sharded correctness runs have
+``VLLM_CP_KV_DEBUG=1``. Writes OUT_DIR/<run>.json|.log, OUT_DIR/summary.json
+(runs, checks, wall seconds), OUT_DIR/onegpu.png, and prints the checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import gpu_vllm_checks as checks  # noqa: E402  (model builders, run loading)
+
+HARNESS = os.path.join(ROOT, "scripts", "gpu", "onegpu")
+KV = str(4 << 30)  # per rank: the scratch view (8 x 8,200 tokens, one layer) is < 2%
+BASE = ["--gpu-mem", "0.05", "--kv-bytes", KV]
+PROMPTS = "1,40,250,700,1990,3000,4000,8000"  # 1 token to 8K
+GEN = ["--token-prompts", PROMPTS, "--max-model-len", "8200", "--max-tokens", "24"]
+# two phases of 4 requests, contexts about 10x apart: bytes per decode step
+PHASES = ["--token-prompts", "40,250,300,700;3000,4000,6000,8000", "--max-model-len",
+          "8200", "--max-tokens", "24"]
+WAVES = GEN + ["--suffix-len", "24"]
+DEBUG = {"VLLM_CP_KV_DEBUG": "1"}
+SHIM = {"CPKV_SHIM_DECODE_THRESHOLD": "64"}  # patches.py no. 8
+BACKENDS = {"FA": "FLASH_ATTN_MLA", "FM": "FLASHMLA", "TR": "TRITON_MLA"}
+SPARSE = {"fas": ["--backend", "FLASH_ATTN_MLA_SPARSE"],
+          "fms": ["--backend", "FLASHMLA_SPARSE", "--kv-cache-dtype", "fp8_ds_mla"]}
+SPARSE_GEN = ["--prompt-repeat", "3", "--max-model-len", "4096", "--sorted-topk"]
+
+
+def runs() -> dict:
+    """name -> (model, args, harness on, env). ``model`` "pd" is a P/D run."""
+    tp2, tp4, pcp2 = ["--tp", "2"], ["--tp", "4"], ["--tp", "1", "--pcp", "2"]
+    r = {"tp1-FA-plain": ("moe", ["--tp", "1", "--no-plugin", "--backend",
+                                  "FLASH_ATTN_MLA"] + GEN, False, {})}
+    for k, b in BACKENDS.items():
+        be = ["--backend", b]
+        r[f"tp2-{k}-plain"] = ("moe", tp2 + be + GEN + ["--no-plugin"], True, {})
+        r[f"tp2-{k}-shard"] = ("moe", tp2 + be + GEN + ["--shard", "--poison", "--stats"], True, DEBUG)
+        # each backend's own routing kept (FLASH_ATTN_MLA: prefills <= 512
+        # tokens, FLASHMLA <= 128, TRITON_MLA <= 64 by the shim): short
+        # prompts and wave 2's short extensions of a cached context reach the
+        # shard-aware decode as rows with several query tokens
+        r[f"tp2-{k}-multi"] = ("moe", tp2 + be + WAVES + ["--shard", "--waves", "2",
+                                                       "--stats"], True, {**DEBUG, **SHIM})
+    # the materializing decode: the inner kernel on the full view, so the
+    # same kernels per request as unsharded (bit-identical expected)
+    r["tp2-FA-mat"] = ("moe", tp2 + ["--backend", "FLASH_ATTN_MLA"] + GEN + [
+        "--cp-kv", '{"decode": "materialize"}'], True, DEBUG)
+    r["tp2-FA-bytes"] = ("moe", tp2 + ["--backend", "FLASH_ATTN_MLA"] + PHASES
+                         + ["--shard", "--stats"], True, {})
+    fa = ["--backend", "FLASH_ATTN_MLA"]
+    r["tp2-prefix-plain"] = ("moe", tp2 + fa + WAVES + ["--no-plugin", "--waves", "2"],
+                             True, {})
+    r["tp2-prefix-shard"] = ("moe", tp2 + fa + WAVES + [
+        "--shard", "--waves", "3", "--poison", "--corrupt-between-waves"], True, DEBUG)
+    r["tp4-plain"] = ("dense8", tp4 + fa + GEN + ["--no-plugin"], True, {})
+    r["tp4-shard"] = ("dense8", tp4 + fa + GEN + ["--shard", "--poison", "--stats"], True, DEBUG)
+    r["pcp2-dense-plain"] = ("dense", pcp2 + GEN + ["--no-plugin"], True, {})
+    r["pcp2-dense-shard"] = ("dense", pcp2 + GEN + ["--shard", "--poison", "--stats"], True, DEBUG)
+    # plain vLLM 0.32 fails with PCP and MoE (docs/gpu-testing.md): the
+    # plugin's fix with vLLM's replicated layout is the baseline
+    r["pcp2-moe-base"] = ("moe", pcp2 + GEN + ["--cp-kv", '{"kv_sharding": false}'], True, {})
+    r["pcp2-moe-shard"] = ("moe", pcp2 + GEN + ["--shard", "--poison", "--stats"], True, DEBUG)
+    for k, extra in SPARSE.items():
+        r[f"pcp2-{k}-plain"] = ("dsv32", pcp2 + extra + SPARSE_GEN + ["--no-plugin"], True, {})
+        r[f"pcp2-{k}-shard"] = ("dsv32", pcp2 + extra + SPARSE_GEN + ["--shard", "--poison", "--stats"],
+                                True, DEBUG)
+    r["pd-tp2-nixl"] = ("pd", ["--prefill-tp", "2", "--prefill-pcp", "1"], True, {})
+    r["pd-pcp2-nixl"] = ("pd", ["--prefill-tp", "1", "--prefill-pcp", "2"], True, {})
+    # negative control: the decode writes the blocks without their logical
+    # positions (what a layout error looks like in the tokens)
+    r["pd-pcp2-nixl-dropped"] = ("pd", ["--prefill-tp", "1", "--prefill-pcp", "2",
+                                        "--drop-positions"], True, {})
+    # float16 (8x finer rounding than bf16): fewer near-tie flips between layouts
+    half = ["--dtype", "float16"]
+    r["tp1-FA-plain-fp16"] = ("moe", ["--tp", "1", "--no-plugin", "--backend",
+                                      "FLASH_ATTN_MLA"] + GEN + half, False, {})
+    r["tp2-FA-plain-fp16"] = ("moe", tp2 + fa + GEN + half + ["--no-plugin"], True, {})
+    r["tp2-FA-shard-fp16"] = ("moe", tp2 + fa + GEN + half + ["--shard", "--stats"], True, DEBUG)
+    r["pd-pcp2-nixl-fp16"] = ("pd", ["--prefill-tp", "1", "--prefill-pcp", "2"] + half, True, {})
+    return r
+
+
+GROUPS = {
+    "tp": [f"tp2-{k}-{v}" for k in BACKENDS for v in ("shard", "plain")]
+    + ["tp1-FA-plain"] + [f"tp2-{k}-multi" for k in BACKENDS]
+    + ["tp2-FA-bytes", "tp4-plain", "tp4-shard", "tp2-prefix-plain", "tp2-prefix-shard"],
+    "pcp": ["pcp2-dense-plain", "pcp2-dense-shard", "pcp2-moe-base", "pcp2-moe-shard"]
+    + [f"pcp2-{k}-{v}" for k in SPARSE for v in ("plain", "shard")],
+    "pd": ["pd-tp2-nixl", "pd-pcp2-nixl"],
+    # the runs whose code changed after the first lease (Triton's float32
+    # LSE, the debug check against vLLM's kernel), and the materializing decode
+    "again": ["pd-pcp2-nixl", "tp2-TR-shard", "tp2-FA-shard", "tp2-FM-shard", "tp2-FA-mat",
+              "tp2-TR-multi", "tp2-FA-multi", "tp2-FM-multi", "tp4-shard",
+              "pcp2-dense-shard", "pcp2-moe-shard"],
+    "fp16": ["pd-pcp2-nixl-fp16", "pd-pcp2-nixl-dropped", "tp1-FA-plain-fp16",
+             "tp2-FA-plain-fp16", "tp2-FA-shard-fp16"],
+}
+GROUPS["all"] = GROUPS["tp"] + GROUPS["pd"] + GROUPS["pcp"]
+
+
+def model_dir(kind: str) -> str:
+    """``moe``, ``dense`` (6 heads) and ``dense8`` (8 heads, TP=4) with GPU
+    head sizes and 16K positions (prompts up to 8K); ``dsv32`` as
+    gpu_vllm_checks builds it."""
+    if kind == "dsv32":
+        return checks.model_dir(kind)
+    sys.path.insert(0, ROOT)
+    from vllm_cp_kv.tools import tiny_model
+
+    return tiny_model.build(os.path.join(checks.MODELS, "onegpu-" + kind), gpu_heads=True,
+                            moe=kind == "moe", heads=8 if kind == "dense8" else 6,
+                            max_positions=16384)
+
+
+def env_for(harness: bool, extra: dict) -> dict:
+    env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1"}
+    paths = [p for p in env.get("PYTHONPATH", "").split(":") if p and p != HARNESS]
+    if harness:
+        env["ONEGPU"] = "1"
+        env["CUDA_VISIBLE_DEVICES"] = "0"
+        paths.insert(0, HARNESS)
+    env["PYTHONPATH"] = ":".join(paths)
+    return env
+
+
+def run_one(name: str, spec, out: str, timeout: float) -> dict:
+    kind, args, harness, extra = spec
+    t0 = time.time()
+    if kind == "pd":
+        work = os.path.join(out, name)
+        # P/D runs may run at the same time: each its own side-channel ports
+        port = 5700 + 10 * sorted(n for n, r in runs().items() if r[0] == "pd").index(name)
+        cmd = [sys.executable, "-m", "vllm_cp_kv.tools.pd_offline", model_dir("moe"), work,
+               "--device", "cuda", "--gpu-mem", "0.05", "--decode-gpu-mem", "0.05",
+               "--kv-bytes", KV, "--port", str(port), "--timeout", str(int(timeout) - 20),
+               *args]
+    else:
+        cmd = [sys.executable, os.path.join(ROOT, "tests", "run_vllm.py"), model_dir(kind),
+               os.path.join(out, f"{name}.json"), *BASE, *args]
+    rc = checks.run_logged(cmd, env_for(harness, extra), os.path.join(out, f"{name}.log"),
+                           timeout, "CMD " + " ".join(cmd) + f"\nENV {extra} harness={harness}\n")
+    if kind == "pd":
+        path = os.path.join(out, name, "pd_result.json")
+        res = {"name": name, "rc": rc}
+        if os.path.exists(path):
+            with open(path) as f:
+                res.update(json.load(f))
+        res["wall_s"] = round(time.time() - t0, 1)
+        return res
+    return checks.load_run(out, name, rc, wall_s=round(time.time() - t0, 1))
+
+
+# -- checks -------------------------------------------------------------------
+def _ok(results, name):
+    r = results.get(name)
+    return r if r and r.get("rc") == 0 and "tokens" in r else None
+
+
+def agreement(a_tokens, a_lps, b_tokens, b_lps) -> dict:
+    """Identical prompts, first differing token per prompt, the largest
+    logprob difference before it."""
+    first = checks.first_diffs(a_tokens, b_tokens)
+    lp = max((abs(p - q) for x, y, f in zip(a_lps, b_lps, first)
+              for p, q in list(zip(x, y))[: len(x) if f is None else f]), default=0.0)
+    return {"identical": sum(f is None for f in first), "of": len(first),
+            "first_diffs": first, "max_logprob_diff_before_first_diff": round(lp, 4)}
+
+
+def pair(out, key, results, shard, base, ranks, min_ratio, waves=False):
+    s, b = _ok(results, shard), _ok(results, base)
+    if not s or not b:
+        out[key] = {"ok": False, "why": "a run is missing or failed",
+                    "rc": [(results.get(n) or {}).get("rc") for n in (shard, base)]}
+        return None
+    st, sl = (s["waves"][0]["tokens"], s["waves"][0]["logprobs"]) if waves else (
+        s["tokens"], s["logprobs"])
+    c = {"agreement": agreement(st, sl, b["tokens"], b["logprobs"]),
+         "capacity_ratio": round(s["capacity_tokens"] / b["capacity_tokens"], 3),
+         "debug_invariants_hold": s["debug_invariants_hold"], "backends": s.get("backends"),
+         "prompt_lens": s["prompt_lens"]}
+    c["same_tokens"] = c["agreement"]["identical"] == c["agreement"]["of"]
+    stats = [x for x in (s.get("stats") or []) if x]
+    if stats:  # debug: the merged decode and vLLM's kernel against float32
+        c["decode_error_vs_float32"] = {
+            "sharded": max(x.get("debug_decode_err_max", 0.0) for x in stats),
+            "vllm_kernel_same_view": max((x.get("debug_unsharded_err_max") or 0.0)
+                                         for x in stats),
+            "checks_per_rank": [x.get("debug_decode_checks") for x in stats]}
+    ok = c["capacity_ratio"] >= min_ratio and c["debug_invariants_hold"]
+    if "written" in s:
+        if any(w == checks.INDEXER_ROW for layers in s["written"] for w, _, _ in layers):
+            c["owned_writes_ok"] = checks.sparse_writes(s, c, ranks)
+        else:
+            want = checks.owned_rows(s["prompt_lens"], len(s["tokens"][0]), s["block_size"],
+                                     ranks)
+            got = [sorted(set(layers)) for layers in s["written_rows"]]
+            c["owned_writes_ok"] = all(g == [w] for g, w in zip(got, want))
+            c.update(written_rows=got, owned_rows_expected=want)
+        ok = ok and c["owned_writes_ok"]
+    c["ok_capacity_writes_debug"] = ok
+    out[key] = c
+    return c
+
+
+def close_enough(c, unsharded) -> bool:
+    """bf16 near-ties: the sharded run agrees with the same layout unsharded
+    at least as often as two unsharded layouts (TP=2 vs TP=1) agree, or its
+    merged decode is as accurate as vLLM's own kernel on the same full view
+    (both against float32 attention, from the debug check)."""
+    a, e = c["agreement"], c.get("decode_error_vs_float32") or {}
+    c["agreement_as_close_as_tp2_vs_tp1"] = c["same_tokens"] or bool(
+        unsharded and a["identical"] >= unsharded["identical"])
+    c["decode_as_accurate_as_vllm_kernel"] = bool(e.get("vllm_kernel_same_view")) and \
+        e["sharded"] <= 2 * e["vllm_kernel_same_view"]
+    return c["agreement_as_close_as_tp2_vs_tp1"] or c["decode_as_accurate_as_vllm_kernel"]
+
+
+def compare(results) -> dict:
+    out = {}
+    ref1 = _ok(results, "tp1-FA-plain")
+    for k, b in BACKENDS.items():
+        c = pair(out, f"tp2-{b}", results, f"tp2-{k}-shard", f"tp2-{k}-plain", 2, 1.95)
+        plain = _ok(results, f"tp2-{k}-plain")
+        if c and plain and ref1:
+            # how close two unsharded layouts agree (bf16 near-ties)
+            c["unsharded_tp2_vs_tp1"] = agreement(plain["tokens"], plain["logprobs"],
+                                                  ref1["tokens"], ref1["logprobs"])
+        if c:
+            c["ok"] = c["ok_capacity_writes_debug"] and close_enough(c, c.get(
+                "unsharded_tp2_vs_tp1"))
+        m = pair(out, f"tp2-{b}-multi-token-rows", results, f"tp2-{k}-multi",
+                 f"tp2-{k}-plain", 2, 1.95, waves=True)
+        if m:
+            run = results[f"tp2-{k}-multi"]
+            per_wave = [w["stats"] for w in run["waves"] if w.get("stats")]
+            stats = [x for x in (run.get("stats") or []) if x]
+            m["multi_query_decode_steps"] = (
+                [sum(w[r]["multi_query_decode_steps"] for w in per_wave)
+                 for r in range(len(per_wave[0]))] if per_wave  # tests/run_vllm.py resets per wave
+                else [x.get("multi_query_decode_steps") for x in stats])
+            stats = stats or (per_wave[0] if per_wave else [])
+            m["ok"] = m["ok_capacity_writes_debug"] and bool(stats) and all(
+                (n or 0) > 0 for n in m["multi_query_decode_steps"]) and close_enough(
+                m, (c or {}).get("unsharded_tp2_vs_tp1"))
+    prefix = _ok(results, "tp2-prefix-plain")
+    for k, b in BACKENDS.items():
+        m, run = out.get(f"tp2-{b}-multi-token-rows"), _ok(results, f"tp2-{k}-multi")
+        if m and run and prefix and b == "FLASH_ATTN_MLA":  # same prompts, waves, backend
+            m["wave2_vs_unsharded"] = agreement(run["waves"][1]["tokens"],
+                                                run["waves"][1]["logprobs"],
+                                                prefix["waves"][1]["tokens"],
+                                                prefix["waves"][1]["logprobs"])
+    by = _ok(results, "tp2-FA-bytes")
+    if by:
+        stats = [x for x in (by.get("phases") or []) if x]
+        per = [ph["stats"][0]["decode_step_bytes"][:8] for ph in by["phases"]]
+        out["decode-bytes-per-step"] = {
+            "ok": len(per) == 2 and per[0] == per[1] and len(per[0]) > 0,
+            "phase_prompt_lens": [ph["prompt_lens"] for ph in by["phases"]],
+            "rank0_bytes_first_steps": per, "phases": len(stats)}
+    s, b = _ok(results, "tp2-prefix-shard"), _ok(results, "tp2-prefix-plain")
+    if s and b:
+        same = [agreement(x["tokens"], x["logprobs"], y["tokens"], y["logprobs"])
+                for x, y in zip(s["waves"][:2], b["waves"][:2])]
+        hits = [w.get("prefix_cache_hits") for w in s["waves"]]
+        out["prefix-tp2"] = {
+            "ok": hits[0] == 0 and hits[1] > 0 and s["debug_invariants_hold"]
+            and s["waves"][2]["tokens"] != s["waves"][1]["tokens"],
+            "agreement_per_wave": same, "hits_sharded": hits,
+            "hits_unsharded": [w.get("prefix_cache_hits") for w in b["waves"]],
+            "corruption_changed_wave3": s["waves"][2]["tokens"] != s["waves"][1]["tokens"],
+            "capacity_ratio": round(s["capacity_tokens"] / b["capacity_tokens"], 3)}
+    c = pair(out, "tp4", results, "tp4-shard", "tp4-plain", 4, 3.9)
+    if c:
+        c["ok"] = c["ok_capacity_writes_debug"]
+    for key, shard, base in (("pcp2-dense", "pcp2-dense-shard", "pcp2-dense-plain"),
+                             ("pcp2-moe", "pcp2-moe-shard", "pcp2-moe-base"),
+                             *((f"pcp2-sparse-{k}", f"pcp2-{k}-shard", f"pcp2-{k}-plain")
+                               for k in SPARSE)):
+        c = pair(out, key, results, shard, base, 2, 1.95)
+        if c:
+            c["ok"] = c["ok_capacity_writes_debug"]
+    for name in ("pd-tp2-nixl", "pd-pcp2-nixl", "pd-pcp2-nixl-fp16", "pd-pcp2-nixl-dropped"):
+        pd_check(out, name, results.get(name))
+    good, bad = out.get("pd-pcp2-nixl"), out.get("pd-pcp2-nixl-dropped")
+    if good and bad and good.get("first_diff") and bad.get("first_diff"):
+        # negative control: without the positions more prompts go wrong at once
+        bad["first_token_wrong"] = sum(f == 0 for f in bad["first_diff"])
+        good["first_token_wrong"] = sum(f == 0 for f in good["first_diff"])
+        bad["ok"] = bad["first_token_wrong"] > good["first_token_wrong"]
+    c = pair(out, "tp2-FLASH_ATTN_MLA-fp16", results, "tp2-FA-shard-fp16", "tp2-FA-plain-fp16",
+             2, 1.95)
+    ref16, plain16 = _ok(results, "tp1-FA-plain-fp16"), _ok(results, "tp2-FA-plain-fp16")
+    if c and ref16 and plain16:
+        c["unsharded_tp2_vs_tp1"] = agreement(plain16["tokens"], plain16["logprobs"],
+                                              ref16["tokens"], ref16["logprobs"])
+        c["ok"] = c["ok_capacity_writes_debug"]
+    c = pair(out, "tp2-FLASH_ATTN_MLA-materialize", results, "tp2-FA-mat", "tp2-FA-plain",
+             2, 1.95)
+    if c:
+        c["ok"] = c["ok_capacity_writes_debug"] and c["same_tokens"]
+    return out
+
+
+def pd_check(out, name, pd):
+    if pd:
+        out[name] = {"ok": bool(pd.get("checks")) and all(pd["checks"].values()),
+                     "rc": pd.get("rc"), "checks": pd.get("checks"),
+                     "identical": pd.get("identical"), "prompts": pd.get("prompts"),
+                     "prompt_lens": pd.get("prompt_lens"), "first_diff": pd.get("first_diff"),
+                     "prefill_first_token_same": pd.get("prefill_first_token_same")}
+
+
+def report(out_dir, results):
+    cks = compare(results)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump({"runs": results, "checks": cks}, f, indent=1)
+    plot(out_dir, cks)
+    print("\ncheck | ok | figures")
+    for key, c in cks.items():
+        figs = {k: c[k] for k in ("capacity_ratio", "same_tokens", "rc", "why",
+                                  "multi_query_decode_steps") if k in c}
+        if "agreement" in c:
+            figs["identical"] = f"{c['agreement']['identical']}/{c['agreement']['of']}"
+        if "unsharded_tp2_vs_tp1" in c:
+            u = c["unsharded_tp2_vs_tp1"]
+            figs["tp2_vs_tp1_unsharded"] = f"{u['identical']}/{u['of']}"
+        print(f"{key} | {c.get('ok')} | {json.dumps(figs)}")
+    print("wall_s per run:", {n: r.get("wall_s") for n, r in results.items()})
+
+
+def plot(out_dir, cks):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    items = {k: c for k, c in cks.items() if "capacity_ratio" in c}
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.bar(range(len(items)), [c["capacity_ratio"] for c in items.values()],
+           color=["tab:green" if c.get("ok") else "tab:red" for c in items.values()])
+    ax.set_xticks(range(len(items)), list(items), rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("KV capacity, sharded / unsharded")
+    ax.set_title("one H200, ranks on gloo (green: every check of the pair holds)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "onegpu.png"), dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--runs", default="all")
+    ap.add_argument("--budget-s", type=float, default=540)
+    ap.add_argument("--parallel", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--summarize", action="store_true")
+    a = ap.parse_args()
+    checks.OUT_DIR[0] = a.out
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "summary.json")
+    results = {}
+    if os.path.exists(path):  # earlier calls of the lease
+        with open(path) as f:
+            results = json.load(f)["runs"]
+    if a.summarize:
+        return report(a.out, results)
+    start = time.time()
+    table = runs()
+    names = [n for part in a.runs.split(",") for n in GROUPS.get(part, [part])]
+    for kind in {table[n][0] for n in names}:  # build the models before the clock runs
+        model_dir("moe" if kind == "pd" else kind)
+
+    def go(name):
+        left = a.budget_s - (time.time() - start)
+        if left < 90:
+            return name, {"name": name, "rc": "skipped (budget)"}
+        res = run_one(name, table[name], a.out, min(a.timeout, left - 10))
+        print(f"{name}: rc={res['rc']} {res['wall_s']} s", flush=True)
+        return name, res
+
+    with ThreadPoolExecutor(a.parallel) as pool:
+        for name, res in pool.map(go, names):
+            results[name] = res
+            with open(path, "w") as f:
+                json.dump({"runs": results}, f, indent=1)
+    report(a.out, results)
+
+
+if __name__ == "__main__":
+    main()
