@@ -66,6 +66,46 @@ class FakeRouter:
         self._ctx.term()
 
 
+class FakePrefill:
+    """A fake prefill rank that speaks the protocol: decodes each request
+    and answers ``answer(msg)`` (a reply Struct, echoing ``msg.nonce``) after
+    ``delay_s``, without a secret. One thread, one ROUTER."""
+
+    def __init__(self, port: int, answer, delay_s: float = 0.0):
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(f"tcp://127.0.0.1:{port}")
+        self.port, self.answer, self.delay_s, self.received = port, answer, delay_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        import msgspec
+
+        from vllm_cp_kv.integration.connector.side_channel import Request, seal
+
+        decoder = msgspec.msgpack.Decoder(Request)
+        while not self._stop.is_set():
+            if self._sock.poll(50):
+                frames = self._sock.recv_multipart()
+                self.received += 1
+                msg = decoder.decode(frames[1])
+                if self._stop.wait(self.delay_s):
+                    return
+                self._sock.send_multipart([frames[0], *seal(None, self.port,
+                                                            self.answer(msg), request=False)])
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(0)
+        self._ctx.term()
+
+
 class FakeTcpPeer:
     """A hostile peer speaking plain TCP: writes ``payload`` to every
     connection (e.g. a ``multiprocessing.connection``-framed pickle)."""
@@ -133,3 +173,23 @@ def handshake(rank=0, shard_size=2, block_size=16, num_blocks=64, caches=2, tran
                      transport=transport,
                      transport_meta=TransportMeta(agent_name=f"agent-{rank}",
                                                   agent_metadata=b"meta"))
+
+
+def serve_ranks(requests: dict, table, num_tokens: int, secret=None, expiry_s: float = 60.0):
+    """Two prefill ranks (``Producer``, shard size 2, block 16, a FakeTransport)
+    on consecutive free ports, serving each ``requests`` id with its token on
+    ``table``. Returns a namespace with ``port`` (rank 0's) and ``ranks``."""
+    from types import SimpleNamespace
+
+    from builders import free_port
+    from vllm_cp_kv.integration.connector.producer import Producer
+
+    port = free_port(consecutive=2)
+    ranks = []
+    for r in range(2):
+        p = Producer(r, 2, 16, handshake(rank=r), expiry_s, transport=FakeTransport())
+        p.serve("127.0.0.1", port + r, secret)
+        for req, token in requests.items():
+            p.add(req, table, num_tokens, token)
+        ranks.append(p)
+    return SimpleNamespace(port=port, ranks=ranks)

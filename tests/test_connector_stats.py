@@ -26,9 +26,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from builders import free_port
 from conftest import needs_vllm
-from pd_support import FakeTransport, handshake, skip_or_fail
+from pd_support import FakeTransport, handshake, serve_ranks, skip_or_fail
 
 try:
     import msgspec
@@ -53,15 +52,9 @@ PAGE = 1152 * 16  # pd_support.handshake: 2 caches of this many bytes per block
 # ---- what is counted -----------------------------------------------------------------
 @pytest.fixture
 def prefill():
-    port = free_port(consecutive=2)
-    ranks = []
-    for r in range(2):
-        p = Producer(r, 2, 16, handshake(rank=r), 60.0, transport=FakeTransport())
-        p.serve("127.0.0.1", port + r, None)
-        p.add("req", TABLE, NUM_TOKENS, TOKEN)
-        ranks.append(p)
-    yield SimpleNamespace(port=port, ranks=ranks)
-    for p in ranks:
+    s = serve_ranks({"req": TOKEN}, TABLE, NUM_TOKENS)
+    yield s
+    for p in s.ranks:
         p.close()
 
 

@@ -40,7 +40,7 @@ import pytest
 
 from builders import free_port
 from conftest import CPU_ENV, ROOT, needs_vllm, run_generate
-from pd_support import FakeRouter, pickled
+from pd_support import FakePrefill, FakeRouter, pickled
 
 E2E = os.environ.get("VLLM_CP_KV_RUN_PD_E2E") == "1"
 pytestmark = needs_vllm
@@ -281,12 +281,13 @@ def test_a_fake_prefill_peer_runs_nothing_on_the_decode(servers, tmp_path):
                                                                  remote_port=servers.fake))
         assert status != 200, out
         # the reason, under the request's name, in the decode's log
-        reason = ("failed authentication" if servers.transport in SECRET else "malformed reply")
+        reason = ("CURVE handshake" if servers.transport in SECRET else "malformed reply")
         decode_log_has(servers, f"request cmpl-{request_id}-0")
         line = next(l for l in servers.log("decode").splitlines()
                     if f"cmpl-{request_id}-0" in l and "failed to receive its KV" in l)
         assert reason in line, line
-        assert fakes[0].received >= 1  # it did talk to the fake peer
+        # it talked to the fake peer; with a secret (CURVE) not one frame got through
+        assert fakes[0].received == 0 if servers.transport in SECRET else fakes[0].received >= 1
     finally:
         for f in fakes:
             f.close()
@@ -305,6 +306,62 @@ def test_a_fake_prefill_peer_runs_nothing_on_the_decode(servers, tmp_path):
         servers.failed += 1
     decode_serves_on(servers)
     check_transfer_figures(servers)  # the failed pull counted, nothing else
+
+
+def test_a_fake_peers_nixl_metadata_leaves_the_real_prefill_working(servers, reference):
+    """The attack that broke the decode until restart (no allow-list naming
+    only the real prefill, no secret): a client makes a prefill request of
+    its own, fetches its handshakes from the prefill ranks as a decode would
+    (learning the real agent's metadata), then points the decode at a fake
+    prefill answering that handshake with the metadata cut by one byte under
+    a new agent name. Before, NIXL then lost the real agent and every later
+    request failed (``metadata for remote agent ... not found``); now the
+    fake's metadata is refused and the next P/D request through the real
+    prefill gives the single instance's tokens."""
+    import msgspec
+
+    from vllm_cp_kv.integration.connector import side_channel as sc
+    from vllm_cp_kv.tools.tiny_model import prompts
+
+    if servers.transport != "nixl":
+        pytest.skip("NIXL's remote agents (Mooncake sessions are checked against the host)")
+    text = "An attacker first asks the prefill for a request of its own. " * 3
+    own = servers.prefill_params(text)
+    replies = []
+    for r in range(2):  # fetch and free the own request's blocks, as a decode would
+        with sc.SideChannelClient("127.0.0.1", servers.side + r, None, 30) as c:
+            ask = dict(nonce=sc.new_nonce(), request_id=own["remote_request_id"],
+                       token=own["transfer_token"], reader="attacker")
+            replies.append(c.ask(sc.Fetch(lease_s=30, **ask), sc.FetchReply))
+            c.ask(sc.Done(**dict(ask, nonce=sc.new_nonce()), readers=1), sc.Ok)
+    meta = replies[0].handshake.transport_meta
+    cut = msgspec.structs.replace(meta, agent_name="fake-" + secrets.token_hex(4),
+                                  agent_metadata=meta.agent_metadata[:-1])
+
+    def answer(r):
+        hs = msgspec.structs.replace(replies[r].handshake, transport_meta=cut)
+        return lambda msg: sc.FetchReply(
+            nonce=msg.nonce, handshake=hs, manifest=replies[r].manifest,
+            lease_s=msg.lease_s) if isinstance(msg, sc.Fetch) else sc.Ok(nonce=msg.nonce)
+
+    fakes = [FakePrefill(servers.fake + r, answer(r)) for r in range(2)]
+    try:
+        fake = dict(own, remote_port=servers.fake, transfer_token=secrets.token_urlsafe(32))
+        status, out = servers.completion(servers.dp, text, request_id="fake-nixl-meta",
+                                         kv_transfer_params=fake)
+        assert status != 200, out
+        servers.failed += 1
+    finally:
+        for f in fakes:
+            f.close()
+    first = prompts(1)[0]
+    status, out = servers.completion(servers.xp, first)  # through the real prefill
+    assert status == 200, (out, [ln for ln in servers.log("decode").splitlines()
+                                 if "failed to receive" in ln][-1:])
+    assert out["choices"][0]["token_ids"] == reference["tokens"][0]
+    servers.moved.append(reference["prompt_lens"][0])
+    decode_log_has(servers, "does not load")  # the fake's metadata, refused
+    check_transfer_figures(servers)
 
 
 @opt_in

@@ -12,8 +12,10 @@ client (``SideChannelClient``, ``Consumer.receive``) driven directly.
   unknown id or a wrong token is refused with one and the same answer, frees
   and releases nothing, and the owner's pull still completes;
 * the optional shared secret (HMAC on requests and replies);
-* a fuzz run of a few hundred random, truncated, oversized and wrong-schema
-  messages (fixed seed), after which a correct fetch is answered.
+* a fuzz run of a few hundred random, truncated, oversized, deeply nested,
+  many-framed and wrong-schema messages (fixed seed), after which a correct
+  fetch is answered (tests/test_peer_bounds.py: what peers can make the
+  servers hold or wait for).
 
 On the previous side channel (``multiprocessing.connection``, a fixed
 authkey in the source) the pickle, fake-peer, idle-connection and
@@ -25,13 +27,12 @@ import secrets
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from builders import free_port
 from pd_support import (FakeRouter, FakeTcpPeer, FakeTransport, handshake,
-                        mp_connection_frame, pickled, skip_or_fail)
+                        mp_connection_frame, pickled, serve_ranks, skip_or_fail)
 
 try:
     import msgspec
@@ -41,9 +42,8 @@ except ImportError:  # vLLM's dependencies
 
 from vllm_cp_kv.integration.connector.consumer import Consumer  # noqa: E402
 from vllm_cp_kv.integration.connector.params import parse_params  # noqa: E402
-from vllm_cp_kv.integration.connector.producer import Producer  # noqa: E402
 from vllm_cp_kv.integration.connector.side_channel import (  # noqa: E402
-    MAX_FRAME_BYTES, Done, Error, Fetch, FetchReply, Ok, Release, SideChannelClient,
+    MAX_FRAME_BYTES, MAX_REQUEST_BYTES, Done, Error, Fetch, FetchReply, Ok, Release, SideChannelClient,
     SideChannelError, new_nonce)
 
 TOKENS = {"req-A": secrets.token_urlsafe(32), "req-B": secrets.token_urlsafe(32)}
@@ -54,15 +54,7 @@ NO_TRANSFER = "no transfer for this request id and token"
 
 
 def serve(secret=None, expiry_s=60.0):
-    port = free_port(consecutive=2)
-    ranks = []
-    for r in range(2):
-        p = Producer(r, 2, 16, handshake(rank=r), expiry_s, transport=FakeTransport())
-        p.serve("127.0.0.1", port + r, secret)
-        for req, token in TOKENS.items():
-            p.add(req, TABLE, NUM_TOKENS, token)
-        ranks.append(p)
-    return SimpleNamespace(port=port, ranks=ranks)
+    return serve_ranks(TOKENS, TABLE, NUM_TOKENS, secret, expiry_s)
 
 
 @pytest.fixture
@@ -279,15 +271,19 @@ def test_a_handshake_mismatch_moves_nothing(prefill):
 
 # ---- shared secret -------------------------------------------------------------------
 def test_the_shared_secret_authenticates_both_directions():
+    """With a secret the sockets run CURVE with keys derived from it: a peer
+    without it (or with another) never completes the handshake, so no frame
+    of it reaches the other side (the prefill answers, and refuses, nothing)."""
     s = serve(secret=SECRET)
     plain = serve()
     try:
-        with pytest.raises(SideChannelError, match="authentication failed"):
-            fetch(s.port)  # the decode lacks the secret: refused
-        with pytest.raises(SideChannelError, match="failed authentication"):
-            fetch(s.port, secret=b"another-secret-of-16+bytes")  # reply does not verify
-        with pytest.raises(SideChannelError, match="failed authentication"):
-            fetch(plain.port, secret=SECRET)  # the prefill lacks it: its reply is refused
+        with pytest.raises(SideChannelError, match="no answer"):
+            fetch(s.port, timeout=1)  # the decode lacks the secret
+        with pytest.raises(SideChannelError, match="CURVE handshake"):
+            fetch(s.port, secret=b"another-secret-of-16+bytes", timeout=1)
+        with pytest.raises(SideChannelError, match="CURVE handshake"):
+            fetch(plain.port, secret=SECRET, timeout=1)  # the prefill lacks it
+        assert s.ranks[0].server.answered == 0  # not one frame got through
         assert fetch(s.port, secret=SECRET).manifest == [(0, 3), (2, 4)]
     finally:
         for p in s.ranks + plain.ranks:
@@ -315,8 +311,15 @@ def fuzz_messages(rng: random.Random, n: int):
          "reader": "r", "readers": "1"},
         [1, 2, 3], "Fetch", 7, None, {"type": "Fetch", "extra": list(range(1000))},
     ]
+    deep = b"\x81\xa5extra" + b"\x91" * 3000 + b"\xc0"  # recursion while seeking the tag
     for _ in range(n):
-        kind = rng.randrange(5)
+        kind = rng.randrange(7)
+        if kind == 5:  # deeply nested, possibly cut short
+            yield [deep[:rng.randrange(len(deep) // 2, len(deep) + 1)], b""]
+            continue
+        if kind == 6:  # many frames in one message
+            yield [valid] * rng.randrange(3, 60)
+            continue
         if kind == 0:
             body = rng.randbytes(rng.randrange(0, 2000))
         elif kind == 1:
@@ -349,9 +352,9 @@ def test_fuzzed_messages_leave_the_server_answering(prefill):
         replies += 1
     assert replies == sent
     sock.close()
-    for _ in range(3):  # oversized frames: ZMQ drops the peer
-        big = dealer(prefill.port)
-        big.send_multipart([b"\x00" * (MAX_FRAME_BYTES + 1), b""])
+    for size in (MAX_REQUEST_BYTES + 1, MAX_FRAME_BYTES, MAX_FRAME_BYTES + 1):
+        big = dealer(prefill.port)  # oversized frames: ZMQ drops the peer
+        big.send_multipart([b"\x00" * size, b""])
         time.sleep(0.2)
         big.close()
     assert rank0.server.alive()

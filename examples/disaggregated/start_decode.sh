@@ -5,11 +5,14 @@
 # Env: ALLOWED_PREFILL_HOSTS (a JSON list of "host" or "host:side_port", e.g.
 #      '["127.0.0.1:5700"]': the only prefill side channels a request's
 #      kv_transfer_params may name; unset: any, which lets every client point
-#      this server at a host of its choice), VLLM_CP_KV_SIDE_CHANNEL_SECRET
-#      (optional shared secret, the same as the prefill's), BLOCK_SIZE (32),
+#      this server at a host of its choice, and then a decode on a
+#      non-loopback host refuses to start unless EXTRA_CONFIG has
+#      '"allow_any_prefill": true'), VLLM_CP_KV_SIDE_CHANNEL_SECRET
+#      (optional shared secret, the same as the prefill's), EXTRA_CONFIG (more
+#      kv_connector_extra_config members, e.g. '"max_shard_size": 8'), BLOCK_SIZE (32),
 #      EXTRA_ARGS (more vllm serve flags)
 MODEL=${1:?model}; PORT=${2:-8200}; TRANSPORT=${3:-nixl}
-EXTRA="{\"transport\": \"$TRANSPORT\"${ALLOWED_PREFILL_HOSTS:+, \"allowed_prefill_hosts\": $ALLOWED_PREFILL_HOSTS}}"
+EXTRA="{\"transport\": \"$TRANSPORT\"${ALLOWED_PREFILL_HOSTS:+, \"allowed_prefill_hosts\": $ALLOWED_PREFILL_HOSTS}${EXTRA_CONFIG:+, $EXTRA_CONFIG}}"
 exec vllm serve "$MODEL" --port "$PORT" --host 127.0.0.1 --tensor-parallel-size "${TP:-1}" \
   --max-model-len 1024 --max-num-seqs 8 --block-size "${BLOCK_SIZE:-32}" --enforce-eager ${EXTRA_ARGS:-} \
   --kv-transfer-config "{\"kv_connector\": \"ShardedKVConnector\", \"kv_connector_module_path\": \"vllm_cp_kv.integration.connector\", \"kv_role\": \"kv_consumer\", \"kv_connector_extra_config\": $EXTRA}"

@@ -6,6 +6,7 @@ must not silently leave the decode open.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 
@@ -13,7 +14,9 @@ from .side_channel import load_secret
 
 TRANSPORTS = ("nixl", "mooncake")
 KEYS = ("transport", "side_channel_host", "side_channel_port", "transfer_timeout_s",
-        "blocks_expiry_s", "idle_step_s", "side_channel_secret_env", "allowed_prefill_hosts")
+        "blocks_expiry_s", "idle_step_s", "side_channel_secret_env", "allowed_prefill_hosts",
+        "max_shard_size", "allow_any_prefill")
+MAX_SHARD_SIZE = 64  # default bound of a request's prefill ranks (shard_size)
 
 
 def _number(extra: dict, key: str, default: float, low: float, high: float) -> float:
@@ -29,12 +32,16 @@ class ConnectorConfig:
     transport: str = "nixl"
     host: str = "127.0.0.1"  # side channel: bound here, advertised to the decode
     port: int = 5700  # prefill rank r serves on port + r
-    timeout_s: float = 30.0  # decode: every side-channel answer and every read
+    timeout_s: float = 30.0  # decode: a request's side-channel exchange, and every read
     expiry_s: float = 120.0  # prefill: unclaimed blocks are freed after this
     idle_step_s: float = 1.0  # pause of an empty engine step while transfers are pending
     secret: bytes | None = field(default=None, repr=False)
     # decode: prefill hosts (``host`` or ``host:port``) the params may name; None: any
     allowed_prefill_hosts: tuple[str, ...] | None = None
+    max_shard_size: int = MAX_SHARD_SIZE  # decode: most prefill ranks a request may name
+    host_set: bool = False  # host came from side_channel_host or VLLM_HOST_IP
+    # decode on a non-loopback host without allow-list or secret: start anyway
+    allow_any_prefill: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict | None, is_producer: bool) -> ConnectorConfig:
@@ -57,18 +64,60 @@ class ConnectorConfig:
                 raise ValueError("ShardedKVConnector: allowed_prefill_hosts must be a list of "
                                  f"'host' or 'host:port' strings, got {allowed!r}")
             allowed = tuple(allowed)
+        allow_any = extra.get("allow_any_prefill", False)
+        if not isinstance(allow_any, bool):
+            raise ValueError("ShardedKVConnector: allow_any_prefill must be true or false, "
+                             f"got {allow_any!r}")
         secret_env = extra.get("side_channel_secret_env")
         if secret_env is not None and (not isinstance(secret_env, str) or not secret_env):
             raise ValueError("ShardedKVConnector: side_channel_secret_env must name an "
                              f"environment variable, got {secret_env!r}")
         return cls(
             transport=transport, host=host,
+            host_set="side_channel_host" in extra or bool(os.environ.get("VLLM_HOST_IP")),
             port=int(_number(extra, "side_channel_port", 5700, 1, 65535)),
             timeout_s=_number(extra, "transfer_timeout_s", 30.0, 0.1, 3600),
             expiry_s=_number(extra, "blocks_expiry_s", 120.0, 0.1, 86400),
             # the producer only waits to free blocks, the consumer waits for data
             idle_step_s=_number(extra, "idle_step_s", 1.0 if is_producer else 0.01, 0, 60),
-            secret=load_secret(secret_env), allowed_prefill_hosts=allowed)
+            secret=load_secret(secret_env), allowed_prefill_hosts=allowed,
+            max_shard_size=int(_number(extra, "max_shard_size", MAX_SHARD_SIZE, 1, 1024)),
+            allow_any_prefill=allow_any)
+
+
+def check_decode_exposure(cfg: ConnectorConfig, machine_host: str | None = None) -> None:
+    """A decode (kv_consumer) reachable beyond this host fetches from
+    whatever prefill a client's ``kv_transfer_params`` name (it connects to
+    any host and port, and holds the request while a silent listener lets it
+    wait): refuse to start without an allow-list or a secret, unless
+    ``allow_any_prefill`` says so. Loopback-only setups are unchanged.
+
+    The decode's host: ``side_channel_host`` or ``VLLM_HOST_IP`` where set
+    (``cfg.host``), else ``machine_host``, the address vLLM itself takes for
+    this machine (``get_ip()``): vLLM's HTTP server and the transports'
+    listeners are on the network by default."""
+    if cfg.allowed_prefill_hosts is not None or cfg.secret or cfg.allow_any_prefill:
+        return
+    host = cfg.host if cfg.host_set or machine_host is None else machine_host
+    if not is_loopback(host):
+        raise ValueError(
+            f"ShardedKVConnector: this decode runs on {host} (not loopback) with "
+            "neither allowed_prefill_hosts nor a side-channel secret, so any client could "
+            "make it connect to any host:port it names. Set allowed_prefill_hosts (the "
+            "prefill hosts it may fetch from) or a shared secret "
+            "(VLLM_CP_KV_SIDE_CHANNEL_SECRET), or \"allow_any_prefill\": true in "
+            "kv_connector_extra_config if every client is trusted (docs/disaggregated.md, "
+            "Security).")
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback IP literal (no name resolution)."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def host_allowed(allowed: tuple[str, ...] | None, host: str, port: int) -> bool:

@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
 from vllm.logger import init_logger
 
-from .config import ConnectorConfig
+from .config import ConnectorConfig, check_decode_exposure
 from .scheduler import SchedulerSide, ShardedKVMetadata
 from .stats import ShardedKVPromMetrics, ShardedKVStats
 from .worker import WorkerSide
@@ -36,6 +36,10 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(
                 "ShardedKVConnector: the decode (kv_consumer) instance must not be "
                 f"sharded (got shard size {self.shard_size}); drop cp_kv there.")
+        if self.is_consumer:
+            from vllm.utils.network_utils import get_ip
+
+            check_decode_exposure(self.cfg, get_ip())
         if self.is_consumer and parallel.prefill_context_parallel_size > 1:
             raise ValueError(
                 "ShardedKVConnector: the decode (kv_consumer) instance runs without "

@@ -1,11 +1,12 @@
 """Decode worker: pull one request's KV from every prefill rank.
 
-Per request, in its own thread: ask every prefill rank (side channel, under
-``transfer_timeout_s`` each) for its handshake and manifest with the
-request's transfer token (a refusal is asked again for up to
-``FETCH_RETRY_S``: the prefill's workers learn of a finished request at its
-next engine step, and the decode can be faster), refuse any mismatch or out-of-range entry before a
-byte moves (:mod:`vllm_cp_kv.core.manifest`), READ each rank's owned blocks
+Per request, in its own thread: ask every prefill rank (side channel; the
+whole exchange with all ranks under one ``transfer_timeout_s``, so a slow or
+fake peer holds a request that long at most, whatever ``shard_size`` it
+names) for its handshake and manifest with the request's transfer token (a
+refusal is asked again for up to ``FETCH_RETRY_S``: the prefill's workers
+learn of a finished request at its next engine step, and the decode can be
+faster), refuse any mismatch or out-of-range entry before a byte moves (:mod:`vllm_cp_kv.core.manifest`), READ each rank's owned blocks
 straight into this rank's block-table slots, then tell every rank it is done.
 Any failure fails the request (vLLM's ``kv_load_failure_policy="fail"``) and
 is logged on the decode as ``cp_kv connector: request <id> (prefill request
@@ -38,7 +39,8 @@ from ...core.ownership import num_logical_blocks
 from .counters import TransferCounters
 from .params import RULE, TransferParams
 from .side_channel import (MAX_WIRE_LEASE_S, Done, Fetch, FetchReply, Handshake, Ok,
-                           Refused, Release, SideChannelClient, new_nonce)
+                           RateLimitedLog, Refused, Release, SideChannelClient,
+                           SideChannelError, new_nonce)
 from .transfer import ReadNotAborted, read_owned_blocks
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
@@ -72,6 +74,8 @@ class Consumer:
         self._receiving = 0
         self._done: set[str] = set()
         self._failed: set[str] = set()
+        # a peer's unanswered notices (the failed request itself is one line each)
+        self._notice_log = RateLimitedLog(logger)
 
     def start(self, req_id: str, local_ids: list[int], params: TransferParams | None,
               error: str | None, ready=None) -> None:
@@ -139,13 +143,18 @@ class Consumer:
         reader = secrets.token_hex(8)  # this pull's name in the prefill's claims
         lease_s = self.lease_s(p.shard_size)
         bound = self.transport.read_bound_s(self.timeout_s)
+        exchange_end = t0 + self.timeout_s  # every rank's answer, all together
         clients, peers, manifests, start_by = [], {}, {}, {}
         try:
             for r in range(p.shard_size):  # all metadata first: nothing moves on a mismatch
-                client = SideChannelClient(p.remote_host, p.remote_port + r, self.secret,
-                                           self.timeout_s)
+                left = exchange_end - time.monotonic()
+                if left <= 0:
+                    raise SideChannelError(
+                        f"the side-channel exchange with {p.shard_size} prefill ranks did "
+                        f"not finish in {self.timeout_s:g} s (rank {r} not asked)")
+                client = SideChannelClient(p.remote_host, p.remote_port + r, self.secret, left)
                 clients.append(client)
-                asked, reply = self._fetch(client, p, reader, lease_s)
+                asked, reply = self._fetch(client, p, reader, lease_s, exchange_end)
                 client.claimed = True
                 hs = reply.handshake
                 self.check_handshake(hs, r, p)
@@ -199,20 +208,22 @@ class Consumer:
                     if cached else "")
 
     def _fetch(self, client: SideChannelClient, p: TransferParams, reader: str,
-               lease_s: float) -> tuple[float, FetchReply]:
-        """``(time asked, reply)``. A refusal is retried for up to
-        ``FETCH_RETRY_S``: the prefill's workers learn of a finished request
-        at its next engine step, and a fast decode can ask before that (the
-        refusal cannot say why: an unknown request and a wrong token get the
-        same answer, so a wrong token fails after that long)."""
-        deadline = time.monotonic() + min(self.timeout_s, FETCH_RETRY_S)
+               lease_s: float, exchange_end: float) -> tuple[float, FetchReply]:
+        """``(time asked, reply)``, by ``exchange_end`` at the latest. A
+        refusal is retried for up to ``FETCH_RETRY_S``: the prefill's
+        workers learn of a finished request at its next engine step, and a
+        fast decode can ask before that (the refusal cannot say why: an
+        unknown request and a wrong token get the same answer, so a wrong
+        token fails after that long)."""
+        deadline = min(time.monotonic() + min(self.timeout_s, FETCH_RETRY_S), exchange_end)
         pause = 0.02
         while True:
             asked = time.monotonic()
             try:
                 return asked, client.ask(Fetch(
                     nonce=new_nonce(), request_id=p.remote_request_id, token=p.transfer_token,
-                    reader=reader, lease_s=lease_s), FetchReply)
+                    reader=reader, lease_s=lease_s), FetchReply,
+                    timeout_s=max(exchange_end - asked, 0.001))
             except Refused:
                 if time.monotonic() + pause > deadline:
                     raise
@@ -220,16 +231,18 @@ class Consumer:
             pause = min(pause * 2, 0.5)
 
     def _tell(self, clients, req_id, kind, p: TransferParams, reader: str, **fields) -> None:
-        """Best effort ``Done``/``Release`` to each rank (the prefill side
-        also ends claims and frees blocks by itself)."""
+        """Best effort ``Done``/``Release`` to each rank, all within
+        ``NOTICE_TIMEOUT_S`` (the prefill side also ends claims and frees
+        blocks by itself)."""
+        end = time.monotonic() + min(self.timeout_s, NOTICE_TIMEOUT_S)
         for client in clients:
             try:
                 client.ask(kind(nonce=new_nonce(), request_id=p.remote_request_id,
                                 token=p.transfer_token, reader=reader, **fields), Ok,
-                           timeout_s=min(self.timeout_s, NOTICE_TIMEOUT_S))
+                           timeout_s=max(end - time.monotonic(), 0.001))
             except Exception as e:
-                logger.warning("cp_kv connector: request %s: no %s confirmed by %s: %s",
-                               req_id, kind.__name__, client.address, e)
+                self._notice_log.warning("cp_kv connector: request %s: no %s confirmed by "
+                                         "%s: %s", req_id, kind.__name__, client.address, e)
 
     def check_handshake(self, hs: Handshake, rank: int, p: TransferParams) -> None:
         mine = self.local
@@ -243,3 +256,8 @@ class Consumer:
         if bad:
             raise ManifestError(f"handshake mismatch with prefill rank {rank} "
                                 f"(theirs, ours): {bad}")
+        if hs.transport == "mooncake":  # reads go where the session names: the prefill only
+            host = hs.transport_meta.session.rpartition(":")[0].strip("[]").lower()
+            if host != p.remote_host.strip("[]").lower():
+                raise ManifestError(f"prefill rank {rank}'s Mooncake session is on {host!r}, "
+                                    f"not on the prefill host {p.remote_host!r}: refused")

@@ -83,6 +83,9 @@ def parse_params(params, cfg: ConnectorConfig | None = None) -> TransferParams:
         if p.transport != cfg.transport:
             raise ParamsError(f"kv_transfer_params name transport {p.transport!r}, this "
                               f"decode runs {cfg.transport!r}")
+        if p.shard_size > cfg.max_shard_size:
+            raise ParamsError(f"kv_transfer_params name {p.shard_size} prefill ranks; this "
+                              f"decode accepts at most {cfg.max_shard_size} (max_shard_size)")
         if not host_allowed(cfg.allowed_prefill_hosts, p.remote_host, p.remote_port):
             raise ParamsError(f"kv_transfer_params name prefill {p.remote_host}:"
                               f"{p.remote_port}, which allowed_prefill_hosts does not list")

@@ -32,8 +32,8 @@ from typing import Callable
 
 from ...core.manifest import ManifestError, owned_manifest
 from .counters import TransferCounters
-from .side_channel import (Done, Error, Fetch, FetchReply, Handshake, Ok, Release,
-                           SideChannelServer)
+from .side_channel import (Done, Error, Fetch, FetchReply, Handshake, Ok, RateLimitedLog,
+                           Release, SideChannelServer)
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
 MAX_LEASE_S = 600.0  # the longest claim one fetch takes
@@ -69,6 +69,9 @@ class Producer:
         self._leased = threading.Event()  # some claim is outstanding: drive progress
         self._stop = threading.Event()
         self.server: SideChannelServer | None = None
+        # what clients and decodes can cause, one line per 10 s each
+        self._expired_log, self._claim_log, self._progress_log = (
+            RateLimitedLog(logger), RateLimitedLog(logger), RateLimitedLog(logger))
 
     # ---- worker thread ------------------------------------------------------------
     def add(self, req_id: str, table: list[int], num_tokens: int, token: str,
@@ -87,8 +90,9 @@ class Producer:
                 if self._settle(req_id, entry, now):
                     continue
                 if now > entry.expires and not entry.leases:
-                    logger.warning("cp_kv connector: request %s expired after %g s without "
-                                   "a transfer; freeing its blocks", req_id, self.expiry_s)
+                    self._expired_log.warning(
+                        "cp_kv connector: request %s expired after %g s without a "
+                        "transfer; freeing its blocks", req_id, self.expiry_s)
                     self.counters.expired(len(entry.table))
                     self._finish(req_id)
             self._update_leased()
@@ -164,8 +168,8 @@ class Producer:
             if until <= now:
                 del entry.leases[reader]
                 if reader not in entry.done:
-                    logger.warning("cp_kv connector: request %s: a decode reader's claim "
-                                   "ended without a done", req_id)
+                    self._claim_log.warning("cp_kv connector: request %s: a decode "
+                                            "reader's claim ended without a done", req_id)
         if entry.readers and len(entry.done) >= entry.readers and not entry.leases:
             self.counters.served()
             self._finish(req_id)
@@ -208,8 +212,8 @@ class Producer:
                 continue
             try:
                 self.transport.progress()
-            except Exception:
-                logger.exception("cp_kv connector: transport progress failed")
+            except Exception as e:
+                self._progress_log.warning("cp_kv connector: transport progress failed: %r", e)
                 time.sleep(0.1)
             time.sleep(0.001)
 

@@ -20,11 +20,24 @@ there):
   blocking), so an idle, slow or half-sent connection delays nobody; on the
   decode side every receive runs under a timeout;
 * **sizes bounded**: ``zmq.MAXMSGSIZE`` on both sides (ZMQ drops a peer that
-  sends a larger frame) and per-field bounds in the Structs;
-* **optional shared secret** (:func:`load_secret`): each message carries an
-  HMAC-SHA256 of its body under a direction tag; requests and replies both,
-  so the decode also authenticates the prefill. Replies echo the request's
-  random nonce, so a reply cannot be replayed to another request.
+  sends a larger frame: 64 KiB towards a prefill rank, whose requests are a
+  few hundred bytes; 4 MiB towards the decode, for manifests) and
+  per-field bounds in the Structs. ZMQ holds the frames of an unfinished
+  multipart message without a limit on their number; without a secret a
+  peer that reaches the port can make a rank hold memory until it
+  disconnects (docs/disaggregated.md, Security);
+* **optional shared secret** (:func:`load_secret`): the sockets run ZMQ's
+  CURVE security with keys derived from the secret (:func:`curve_keys`) and
+  a ZAP handler that admits only the derived client key, so a peer without
+  the secret cannot get a single frame delivered (nor read one); on top,
+  each message carries an HMAC-SHA256 of its body under a direction tag and
+  the prefill rank's port, requests and replies both, so the decode also
+  authenticates the prefill and a message for one rank is refused by
+  another. Replies echo the request's random nonce (a reply cannot be
+  replayed to another request), and a prefill rank refuses a request whose
+  nonce it has seen (a replayed request);
+* **errors contained**: every decode failure (deep nesting included) is a
+  refusal, and every log line a peer can cause is rate-limited.
 
 Wire format: two frames, ``body`` (msgpack) and ``mac`` (32 bytes, or empty
 without a secret); the ROUTER adds the peer's identity frame in front.
@@ -42,15 +55,20 @@ import os
 import socket
 import threading
 import time
+from collections import OrderedDict
 from typing import Annotated, Callable, Literal, Union
 
 import msgspec
 import zmq
+import zmq.utils.z85
 from msgspec import Meta, Struct
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
 
 MAX_FRAME_BYTES = 4 << 20  # a manifest of 100k blocks is about 1 MiB
+MAX_REQUEST_BYTES = 64 << 10  # a request (Fetch, Done, Release) is < 1 KiB
+REPLAY_WINDOW = 1 << 16  # request nonces a prefill rank remembers
+LOG_EVERY_S = 10.0  # at most one log line per this long for what peers cause
 MAX_ID_CHARS = 256  # vLLM request ids are ~50 characters
 MAX_BLOCKS = 1 << 20  # manifest entries, block ids
 MAX_CACHES = 1 << 14  # registered caches (layers x caches per layer)
@@ -58,8 +76,9 @@ MAX_READERS = 1024  # decode ranks of one request
 MAX_WIRE_LEASE_S = 3600.0  # what a message may carry; the prefill caps claims lower
 SECRET_ENV = "VLLM_CP_KV_SIDE_CHANNEL_SECRET"
 MIN_SECRET_BYTES = 16
-_REQUEST_TAG = b"vllm_cp_kv side channel v1 request\0"
-_REPLY_TAG = b"vllm_cp_kv side channel v1 reply\0"
+_REQUEST_TAG = b"vllm_cp_kv side channel v2 request\0"
+_REPLY_TAG = b"vllm_cp_kv side channel v2 reply\0"
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError)
 
 # ---- message schema ---------------------------------------------------------
 Nonce = Annotated[bytes, Meta(min_length=16, max_length=16)]
@@ -191,17 +210,85 @@ def load_secret(env_name: str | None = None) -> bytes | None:
     return secret
 
 
-def _mac(secret: bytes | None, tag: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, tag + body, hashlib.sha256).digest() if secret else b""
+def _mac(secret: bytes | None, tag: bytes, port: int, body: bytes) -> bytes:
+    return hmac.new(secret, tag + port.to_bytes(2, "big") + body,
+                    hashlib.sha256).digest() if secret else b""
 
 
-def _seal(secret: bytes | None, tag: bytes, msg) -> list[bytes]:
+def seal(secret: bytes | None, port: int, msg, request: bool = True) -> list[bytes]:
+    """The two frames of ``msg`` (a request, or a reply) to or from the
+    prefill rank serving on ``port``."""
     body = _ENCODER.encode(msg)
-    return [body, _mac(secret, tag, body)]
+    return [body, _mac(secret, _REQUEST_TAG if request else _REPLY_TAG, port, body)]
 
 
-def _authentic(secret: bytes | None, tag: bytes, body: bytes, mac: bytes) -> bool:
-    return not secret or hmac.compare_digest(_mac(secret, tag, body), mac)
+def _authentic(secret: bytes | None, tag: bytes, port: int, body: bytes, mac: bytes) -> bool:
+    return not secret or hmac.compare_digest(_mac(secret, tag, port, body), mac)
+
+
+def curve_keys(secret: bytes) -> tuple[tuple[bytes, bytes], tuple[bytes, bytes]]:
+    """``((server public, server secret), (client public, client secret))``,
+    Z85-encoded CURVE key pairs derived from the shared secret: every holder
+    of the secret can derive them, nobody else can (a public key is only
+    public among the holders)."""
+    def pair(label: bytes) -> tuple[bytes, bytes]:
+        secret_key = zmq.utils.z85.encode(hmac.new(secret, label, hashlib.sha256).digest())
+        return zmq.curve_public(secret_key), secret_key
+
+    return pair(b"vllm_cp_kv curve server"), pair(b"vllm_cp_kv curve client")
+
+
+class _ZapHandler:
+    """ZMQ's authentication hook for this process's context (RFC 27): admits
+    a CURVE client only with a key derived from a secret some server of this
+    process was given. One thread, for the process's lifetime."""
+
+    ENDPOINT = "inproc://zeromq.zap.01"
+
+    def __init__(self, ctx: zmq.Context):
+        self.allowed: set[bytes] = set()  # raw 32-byte client public keys
+        self._sock = ctx.socket(zmq.REP)
+        self._sock.bind(self.ENDPOINT)
+        threading.Thread(target=self._loop, daemon=True, name="cp_kv-zap").start()
+
+    def _loop(self) -> None:
+        while True:
+            frames = self._sock.recv_multipart()
+            version, request_id, mechanism = frames[0], frames[1], frames[5]
+            ok = mechanism == b"CURVE" and len(frames) > 6 and frames[6] in self.allowed
+            self._sock.send_multipart([version, request_id, b"200" if ok else b"400",
+                                       b"OK" if ok else b"unknown client key", b"", b""])
+
+
+_zap: _ZapHandler | None = None
+
+
+def _admit(client_public_z85: bytes) -> None:
+    global _zap
+    with _context_lock:
+        if _zap is None:
+            _zap = _ZapHandler(_context_locked())
+        _zap.allowed.add(zmq.utils.z85.decode(client_public_z85))
+
+
+class RateLimitedLog:
+    """At most one line per ``LOG_EVERY_S`` for what peers can cause, with
+    the count of the lines left out; tracebacks are never logged for them."""
+
+    def __init__(self, log: logging.Logger | None = None):
+        self._log = log or logger
+        self._last, self._skipped = 0.0, 0
+        self._lock = threading.Lock()  # the decode's receive threads share one
+
+    def warning(self, fmt: str, *args) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < LOG_EVERY_S:
+                self._skipped += 1
+                return
+            skipped, self._last, self._skipped = self._skipped, now, 0
+        self._log.warning(fmt + ("" if not skipped else " (%d similar lines left out)"),
+                          *args, *((skipped,) if skipped else ()))
 
 
 def endpoint(host: str, port: int) -> str:
@@ -224,17 +311,21 @@ _context_lock = threading.Lock()
 
 def context() -> zmq.Context:
     """This process's ZMQ context (thread-safe; sockets are per thread)."""
-    global _context
     with _context_lock:
-        if _context is None:
-            _context = zmq.Context(io_threads=1)
-        return _context
+        return _context_locked()
 
 
-def _socket(kind: int, host: str) -> zmq.Socket:
+def _context_locked() -> zmq.Context:
+    global _context
+    if _context is None:
+        _context = zmq.Context(io_threads=1)
+    return _context
+
+
+def _socket(kind: int, host: str, max_frame_bytes: int) -> zmq.Socket:
     sock = context().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
     return sock
@@ -255,13 +346,22 @@ class SideChannelServer:
                  on_idle: Callable[[], None] | None = None, tick_s: float = 0.1,
                  name: str = "cp_kv-side-channel"):
         self.handler, self.secret, self.on_idle, self.tick_s = handler, secret, on_idle, tick_s
+        self.port = port
         self.address = endpoint(_bind_address(host), port)
-        self._sock = _socket(zmq.ROUTER, host)
+        self._sock = _socket(zmq.ROUTER, host, MAX_REQUEST_BYTES)
+        if secret:  # nobody without the secret gets a frame delivered
+            (public, secret_key), (client_public, _) = curve_keys(secret)
+            _admit(client_public)
+            self._sock.setsockopt(zmq.ZAP_DOMAIN, b"vllm_cp_kv")
+            self._sock.setsockopt(zmq.CURVE_SERVER, 1)
+            self._sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            self._sock.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
         self._sock.bind(self.address)  # the configured host only
         self._stop = threading.Event()
         self.refused = 0  # malformed / unauthenticated messages answered with Error
         self.answered = 0  # messages answered, all kinds
-        self._last_warning = 0.0
+        self._log = RateLimitedLog()
+        self._seen: OrderedDict[bytes, None] = OrderedDict()  # request nonces (replays)
         self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
         self._thread.start()
 
@@ -282,8 +382,9 @@ class SideChannelServer:
                 if self.on_idle is not None:
                     try:
                         self.on_idle()
-                    except Exception:
-                        logger.exception("cp_kv side channel: periodic task failed")
+                    except Exception as e:
+                        self._log.warning("cp_kv side channel %s: periodic task failed: %r",
+                                          self.address, e)
         finally:
             self._sock.close(linger=0)
 
@@ -296,9 +397,9 @@ class SideChannelServer:
             try:
                 reply = self._answer(frames[1:])
             except Exception as e:  # never let one message stop the server
-                logger.exception("cp_kv side channel: message not answered")
-                reply = _seal(self.secret, _REPLY_TAG, Error(nonce=b"", reason=(
-                    f"internal error: {type(e).__name__}")))
+                self._log.warning("cp_kv side channel %s: message not answered: %r",
+                                  self.address, e)
+                reply = self._seal(Error(nonce=b"", reason=f"internal error: {type(e).__name__}"))
             self.answered += 1
             try:
                 self._sock.send_multipart([frames[0], *reply], zmq.NOBLOCK)
@@ -309,28 +410,33 @@ class SideChannelServer:
         if len(parts) != 2:
             return self._refuse(b"", f"malformed message: {len(parts)} frames, expected 2")
         body, mac = parts
-        if not _authentic(self.secret, _REQUEST_TAG, body, mac):
+        if not _authentic(self.secret, _REQUEST_TAG, self.port, body, mac):
             return self._refuse(b"", "side-channel authentication failed (shared secret "
-                                     "missing or different)")
+                                     "missing or different, or a message for another rank)")
         try:
             msg = _REQUEST_DECODER.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            return self._refuse(b"", f"malformed message: {str(e)[:200]}")
+        except _DECODE_ERRORS as e:
+            return self._refuse(b"", f"malformed message: {type(e).__name__}: {str(e)[:200]}")
+        if msg.nonce in self._seen:
+            return self._refuse(msg.nonce, "replayed message (nonce seen before)")
+        self._seen[msg.nonce] = None
+        if len(self._seen) > REPLAY_WINDOW:
+            self._seen.popitem(last=False)
         try:
             reply = self.handler(msg)
         except Exception as e:  # a bug: answer, keep serving
-            logger.exception("cp_kv side channel: handler failed")
+            self._log.warning("cp_kv side channel %s: handler failed: %r", self.address, e)
             reply = Error(nonce=msg.nonce, reason=f"internal error: {type(e).__name__}")
-        return _seal(self.secret, _REPLY_TAG, reply)
+        return self._seal(reply)
+
+    def _seal(self, reply) -> list[bytes]:
+        return seal(self.secret, self.port, reply, request=False)
 
     def _refuse(self, nonce: bytes, reason: str) -> list[bytes]:
         self.refused += 1
-        now = time.monotonic()
-        if now - self._last_warning > 10:  # a flood of junk must not flood the log
-            self._last_warning = now
-            logger.warning("cp_kv side channel %s: refused a message (%r); %d refused so far",
-                           self.address, reason, self.refused)
-        return _seal(self.secret, _REPLY_TAG, Error(nonce=nonce, reason=reason))
+        self._log.warning("cp_kv side channel %s: refused a message (%r); %d refused so far",
+                          self.address, reason, self.refused)
+        return self._seal(Error(nonce=nonce, reason=reason))
 
 
 # ---- client (decode rank) ---------------------------------------------------------
@@ -340,9 +446,14 @@ class SideChannelClient:
 
     def __init__(self, host: str, port: int, secret: bytes | None, timeout_s: float):
         self.address = endpoint(host, port)
-        self.secret, self.timeout_s = secret, timeout_s
+        self.port, self.secret, self.timeout_s = port, secret, timeout_s
         self.claimed = False  # set by the caller once a Fetch was answered
-        self._sock = _socket(zmq.DEALER, host)
+        self._sock = _socket(zmq.DEALER, host, MAX_FRAME_BYTES)
+        if secret:  # CURVE: only a prefill holding the secret completes the handshake
+            (server_public, _), (public, secret_key) = curve_keys(secret)
+            self._sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+            self._sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            self._sock.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
         self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
         self._sock.connect(self.address)
 
@@ -365,7 +476,7 @@ class SideChannelClient:
         (another nonce) are skipped."""
         decoder = _REPLY_DECODERS[reply_type]
         try:
-            self._sock.send_multipart(_seal(self.secret, _REQUEST_TAG, msg))
+            self._sock.send_multipart(seal(self.secret, self.port, msg))
         except zmq.Again:
             raise SideChannelError(f"could not send to {self.address} in "
                                    f"{self.timeout_s:g} s") from None
@@ -374,18 +485,21 @@ class SideChannelClient:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
-                raise SideChannelError(f"no answer from {self.address} in {timeout_s:g} s")
+                raise SideChannelError(
+                    f"no answer from {self.address} in {timeout_s:g} s" + (
+                        " (with a shared secret, a peer without it or with another "
+                        "cannot complete the CURVE handshake)" if self.secret else ""))
             parts = self._sock.recv_multipart(zmq.NOBLOCK)
             if len(parts) != 2:
                 raise SideChannelError(f"malformed reply from {self.address}: "
                                        f"{len(parts)} frames")
             body, mac = parts
-            if not _authentic(self.secret, _REPLY_TAG, body, mac):
+            if not _authentic(self.secret, _REPLY_TAG, self.port, body, mac):
                 raise SideChannelError(f"reply from {self.address} failed authentication "
                                        "(shared secret missing or different there)")
             try:
                 reply = decoder.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            except _DECODE_ERRORS as e:
                 raise SideChannelError(f"malformed reply from {self.address}: "
                                        f"{str(e)[:200]}") from None
             if isinstance(reply, Error) and not reply.nonce:

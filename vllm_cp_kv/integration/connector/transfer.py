@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from ...core.manifest import merge_runs, read_descriptors
+from .side_channel import RateLimitedLog
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
 READ_ATTEMPTS = 2  # Mooncake: see MooncakeTransport.read
@@ -83,7 +84,9 @@ class NixlTransport(Transport):
         # while it polls, by the served side through progress().
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(
             enable_prog_thread=False, backends=["UCX"]))
-        self._peers: dict[str, str] = {}
+        # remote agents loaded, by name: exactly the metadata loaded under it
+        self._peers: dict[str, bytes] = {}
+        self._probe_agent, self._probes = None, 0  # see _probe
         # UCX workers are not thread-safe, and receives run in one thread per
         # request: every agent call after registration runs on this one
         # thread, in order (reads are short; side-channel work stays parallel).
@@ -113,15 +116,62 @@ class NixlTransport(Transport):
             self._agent_thread.submit(self._read, peer_meta, reads, timeout_s,
                                       start_by).result()
 
+    def _remote_agent(self, name: str, metadata: bytes) -> str:
+        """The remote agent to read from, loaded once per name and metadata.
+
+        Why so careful: the name and the metadata come from the peer, and
+        NIXL keys remote agents by the name *inside* the metadata. A fake
+        peer that sent the real prefill's metadata cut short, under a new
+        name, left NIXL holding the real agent's connection without its
+        metadata: every later read from the real prefill failed (``metadata
+        for remote agent ... not found``; loading it again fails too) until
+        restart. So metadata never seen before is first loaded into a
+        throwaway probe agent (:meth:`_probe`); only metadata that loads
+        there whole, as the agent it claims to be, reaches this agent. A
+        known name with other metadata is refused (the first peer to use a
+        name keeps it: see docs/disaggregated.md, Security)."""
+        known = self._peers.get(name)
+        if known is not None:
+            if known != metadata:
+                raise TransferError(f"a peer sent other NIXL metadata for the known agent "
+                                    f"{name!r}: refused")
+            return name
+        loaded = self._probe(metadata)
+        if loaded != name:
+            raise TransferError(f"the peer's NIXL metadata is agent {loaded!r}'s, not "
+                                f"{name!r}: refused")
+        self.agent.add_remote_agent(metadata)
+        self._peers[name] = metadata
+        return name
+
+    def _probe(self, metadata: bytes) -> str:
+        """Load ``metadata`` into the probe agent (made on first use, made
+        anew after a failed load, whose half-loaded state it may keep) and
+        unload it; the agent name it holds."""
+        if self._probe_agent is None:
+            from nixl._api import nixl_agent, nixl_agent_config
+
+            self._probes += 1
+            self._probe_agent = nixl_agent(f"{self.agent_name}-probe{self._probes}",
+                                           nixl_agent_config(enable_prog_thread=False,
+                                                             backends=["UCX"]))
+        try:
+            loaded = self._probe_agent.add_remote_agent(metadata)
+            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            self._probe_agent.remove_remote_agent(loaded)
+        except Exception as e:
+            self._probe_agent = None
+            raise TransferError(f"the peer's NIXL agent metadata does not load "
+                                f"({type(e).__name__}): refused") from None
+        return loaded
+
     def _read(self, peer_meta, reads, timeout_s, start_by):
         _check_start(start_by)  # on the agent thread: after waiting for other reads
-        name = peer_meta["agent_name"]
-        if name not in self._peers:
-            self._peers[name] = self.agent.add_remote_agent(peer_meta["agent_metadata"])
+        name = self._remote_agent(peer_meta["agent_name"], peer_meta["agent_metadata"])
         local, remote = nixl_descs(self.agent, reads, (self.mem_type, self.device_id),
                                    (peer_meta.get("mem_type") or "DRAM",
                                     int(peer_meta.get("device_id") or 0)))
-        handle = self.agent.initialize_xfer("READ", local, remote, self._peers[name])
+        handle = self.agent.initialize_xfer("READ", local, remote, name)
         try:
             state = self.agent.transfer(handle)
             start = time.monotonic()
@@ -142,6 +192,7 @@ class NixlTransport(Transport):
 
 class MooncakeTransport(Transport):
     name = "mooncake"
+    _retry_log = RateLimitedLog(logger)  # a peer's failed reads, for the process
 
     def __init__(self, host: str):
         from mooncake.engine import TransferEngine
@@ -187,8 +238,9 @@ class MooncakeTransport(Transport):
             if isinstance(result, TransferError):  # not started: no retry
                 raise result
             if attempt < READ_ATTEMPTS:
-                logger.warning("cp_kv: Mooncake read of %d ranges from %s failed (%r); "
-                               "retrying", len(reads), peer_meta["session"], result)
+                self._retry_log.warning("cp_kv: Mooncake read of %d ranges from %s failed "
+                                        "(%r); retrying", len(reads), peer_meta["session"],
+                                        result)
         raise TransferError(f"Mooncake read failed ({result!r}; peer gone?)")
 
     def _read_once(self, peer_meta, reads, wait_s: float, start_by):
