@@ -36,7 +36,7 @@ from ..core import debug as core_debug
 from ..core.decode import paged_attention_with_lse, query_token_lens
 from ..core.ownership import owned_token_count
 from ..core.plan import plan_materialization, plan_split_requests
-from .options import options_of
+from .options import debug_enabled, options_of
 from .runtime import BatchPlan, DecodeView, get_runtime
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
@@ -186,7 +186,6 @@ def plan_batch(common, block_size: int, num_decodes: int, *, whole: bool,
                      num_decodes=num_decodes)
     if lse_decode and num_decodes:
         made.decode = decode_view(common, num_decodes, runtime.spec, gather_heads)
-        batch.multi_query |= made.decode.multi_query
     if prefill_whole:
         made.prefill_rows = prefill_rows(common, num_decodes)
     batch.plans[key] = made
@@ -247,12 +246,12 @@ def sharded_backend(inner: type, unsharded_view, float32_lse=None) -> type:
                     hasattr(self, "_reserve_attn_logits_workspace"):
                 # TRITON_MLA sizes its split-KV workspace for the layer's
                 # heads; the shard-aware decode runs it with all H heads
-                saved = self.dcp_world_size
-                self.dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
-                try:
+                with self._sized_for_heads_of(
+                        vllm_config.parallel_config.decode_context_parallel_size):
                     self._reserve_attn_logits_workspace()
-                finally:
-                    self.dcp_world_size = saved
+            # debug: vLLM's own decode kernel on the full view, for comparison
+            self.cp_kv_kernel_check = debug_enabled() and \
+                inner.get_name() in KERNEL_CHECK_BACKENDS
             # vLLM's CPU_MLA prefill cannot read a cached context (vLLM turns
             # prefix caching and chunked prefill off for it); with the full
             # view the plugin can, so it runs such prefills itself
@@ -276,8 +275,7 @@ def sharded_backend(inner: type, unsharded_view, float32_lse=None) -> type:
                     f"{inner.get_name()} builder split {metadata.num_decodes}.")
             if made.decode is not None and common.block_table_tensor.is_cuda:
                 metadata.decode = self._local_decode(common, made.decode)
-            if made.decode is not None and inner.get_name() in KERNEL_CHECK_BACKENDS \
-                    and get_runtime(self.kv_cache_spec.block_size).debug:
+            if made.decode is not None and self.cp_kv_kernel_check:
                 made.build_decode = self._build_decode  # vLLM's kernel on a view
             metadata.cp_kv = made
             return metadata
@@ -287,10 +285,9 @@ def sharded_backend(inner: type, unsharded_view, float32_lse=None) -> type:
             vLLM's DCP builds it (its ``_build_decode`` with the local
             lengths), one query token per row, sized for the gathered heads
             under TP."""
-            saved = self.dcp_world_size
-            if view.gather_heads:
-                self.dcp_world_size = get_runtime(self.kv_cache_spec.block_size).spec.size
-            try:
+            ranks = get_runtime(self.kv_cache_spec.block_size).spec.size \
+                if view.gather_heads else self.dcp_world_size
+            with self._sized_for_heads_of(ranks):
                 return self._build_decode(
                     block_table_tensor=view.block_table, seq_lens_device=view.local_lens,
                     max_seq_len=max(view.max_local_len, 1),
@@ -298,6 +295,16 @@ def sharded_backend(inner: type, unsharded_view, float32_lse=None) -> type:
                     query_start_loc_device=view.query_start_loc,
                     num_decode_tokens=view.local_lens.shape[0], max_query_len=1,
                     dcp_tot_seq_lens_device=None)
+
+        @contextlib.contextmanager
+        def _sized_for_heads_of(self, ranks: int):
+            """vLLM's builders size decode metadata and workspaces for
+            ``num_heads * dcp_world_size`` query heads: within the block, for
+            the heads of ``ranks`` ranks (this builder initialized with DCP
+            off, see ``unsharded_view``)."""
+            saved, self.dcp_world_size = self.dcp_world_size, ranks
+            try:
+                yield
             finally:
                 self.dcp_world_size = saved
 

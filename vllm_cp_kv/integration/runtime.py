@@ -99,7 +99,6 @@ class BatchContext:
     padding: tuple | None = None  # (local padding mask, PCP-gathered mask)
     plans: dict = field(default_factory=dict)  # whole-sequence flag -> BatchPlan
     has_prefill: bool = False  # for the statistics: a prefill or a decode step
-    multi_query: bool = False  # a decode row had several query tokens
     debug_decode_checked: bool = False
 
 
@@ -203,7 +202,8 @@ class ShardRuntime:
 
     def _count_step(self, batch: BatchContext) -> None:
         s, n, has_prefill = self.stats, self._step_bytes, batch.has_prefill
-        s.multi_query_decode_steps += batch.multi_query
+        s.multi_query_decode_steps += any(p.decode is not None and p.decode.multi_query
+                                          for p in batch.plans.values())
         s.last_step_bytes = n
         if has_prefill:
             s.prefill_steps += 1

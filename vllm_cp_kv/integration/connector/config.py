@@ -10,7 +10,7 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 
-from .side_channel import load_secret
+from .side_channel import MAX_READERS, load_secret
 
 TRANSPORTS = ("nixl", "mooncake")
 KEYS = ("transport", "side_channel_host", "side_channel_port", "transfer_timeout_s",
@@ -81,7 +81,7 @@ class ConnectorConfig:
             # the producer only waits to free blocks, the consumer waits for data
             idle_step_s=_number(extra, "idle_step_s", 1.0 if is_producer else 0.01, 0, 60),
             secret=load_secret(secret_env), allowed_prefill_hosts=allowed,
-            max_shard_size=int(_number(extra, "max_shard_size", MAX_SHARD_SIZE, 1, 1024)),
+            max_shard_size=int(_number(extra, "max_shard_size", MAX_SHARD_SIZE, 1, MAX_READERS)),
             allow_any_prefill=allow_any)
 
 

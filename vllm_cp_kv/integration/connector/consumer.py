@@ -6,8 +6,9 @@ fake peer holds a request that long at most, whatever ``shard_size`` it
 names) for its handshake and manifest with the request's transfer token (a
 refusal is asked again for up to ``FETCH_RETRY_S``: the prefill's workers
 learn of a finished request at its next engine step, and the decode can be
-faster), refuse any mismatch or out-of-range entry before a byte moves (:mod:`vllm_cp_kv.core.manifest`), READ each rank's owned blocks
-straight into this rank's block-table slots, then tell every rank it is done.
+faster), refuse any mismatch or out-of-range entry before a byte moves
+(:mod:`vllm_cp_kv.core.manifest`), READ each rank's owned blocks straight
+into this rank's block-table slots, then tell every rank it is done.
 Any failure fails the request (vLLM's ``kv_load_failure_policy="fail"``) and
 is logged on the decode as ``cp_kv connector: request <id> (prefill request
 <id>) failed to receive its KV: <reason>`` (for refused params the prefill's

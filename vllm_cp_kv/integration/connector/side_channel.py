@@ -238,6 +238,23 @@ def curve_keys(secret: bytes) -> tuple[tuple[bytes, bytes], tuple[bytes, bytes]]
     return pair(b"vllm_cp_kv curve server"), pair(b"vllm_cp_kv curve client")
 
 
+def _use_curve(sock: zmq.Socket, secret: bytes, server: bool) -> None:
+    """CURVE on ``sock`` with the keys derived from ``secret``: a server
+    admits (ZAP) only the derived client key; a client expects the derived
+    server key."""
+    (server_public, server_secret), (client_public, client_secret) = curve_keys(secret)
+    if server:
+        _admit(client_public)
+        sock.setsockopt(zmq.ZAP_DOMAIN, b"vllm_cp_kv")
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, server_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, server_secret)
+    else:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, client_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, client_secret)
+
+
 class _ZapHandler:
     """ZMQ's authentication hook for this process's context (RFC 27): admits
     a CURVE client only with a key derived from a secret some server of this
@@ -350,12 +367,7 @@ class SideChannelServer:
         self.address = endpoint(_bind_address(host), port)
         self._sock = _socket(zmq.ROUTER, host, MAX_REQUEST_BYTES)
         if secret:  # nobody without the secret gets a frame delivered
-            (public, secret_key), (client_public, _) = curve_keys(secret)
-            _admit(client_public)
-            self._sock.setsockopt(zmq.ZAP_DOMAIN, b"vllm_cp_kv")
-            self._sock.setsockopt(zmq.CURVE_SERVER, 1)
-            self._sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            self._sock.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
+            _use_curve(self._sock, secret, server=True)
         self._sock.bind(self.address)  # the configured host only
         self._stop = threading.Event()
         self.refused = 0  # malformed / unauthenticated messages answered with Error
@@ -450,10 +462,7 @@ class SideChannelClient:
         self.claimed = False  # set by the caller once a Fetch was answered
         self._sock = _socket(zmq.DEALER, host, MAX_FRAME_BYTES)
         if secret:  # CURVE: only a prefill holding the secret completes the handshake
-            (server_public, _), (public, secret_key) = curve_keys(secret)
-            self._sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
-            self._sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            self._sock.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
+            _use_curve(self._sock, secret, server=False)
         self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
         self._sock.connect(self.address)
 

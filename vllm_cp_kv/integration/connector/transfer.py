@@ -76,14 +76,8 @@ class NixlTransport(Transport):
     name = "nixl"
 
     def __init__(self, host: str):
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.agent_name = f"cpkv-{uuid.uuid4().hex[:12]}"
-        # No progress thread: it busy-polls a core for the agent's lifetime.
-        # Progress is driven only while a transfer is expected: by the reader
-        # while it polls, by the served side through progress().
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(
-            enable_prog_thread=False, backends=["UCX"]))
+        self.agent = _nixl_agent(self.agent_name)
         # remote agents loaded, by name: exactly the metadata loaded under it
         self._peers: dict[str, bytes] = {}
         self._probe_agent, self._probes = None, 0  # see _probe
@@ -149,12 +143,8 @@ class NixlTransport(Transport):
         anew after a failed load, whose half-loaded state it may keep) and
         unload it; the agent name it holds."""
         if self._probe_agent is None:
-            from nixl._api import nixl_agent, nixl_agent_config
-
             self._probes += 1
-            self._probe_agent = nixl_agent(f"{self.agent_name}-probe{self._probes}",
-                                           nixl_agent_config(enable_prog_thread=False,
-                                                             backends=["UCX"]))
+            self._probe_agent = _nixl_agent(f"{self.agent_name}-probe{self._probes}")
         try:
             loaded = self._probe_agent.add_remote_agent(metadata)
             loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
@@ -188,6 +178,16 @@ class NixlTransport(Transport):
                 raise TransferError("NIXL read failed (peer gone?)")
         finally:
             self.agent.release_xfer_handle(handle)
+
+
+def _nixl_agent(name: str):
+    """A NIXL agent over UCX without a progress thread: it busy-polls a core
+    for the agent's lifetime. Progress is driven only while a transfer is
+    expected: by the reader while it polls, by the served side through
+    ``progress()``."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
 class MooncakeTransport(Transport):
