@@ -1,12 +1,18 @@
-"""Shared helpers for the GPU benchmarks: process spawn, CUDA-event timing."""
+"""Shared helpers of every benchmark and GPU check (run as ``python
+benchmarks/NAME.py``; importing this module puts the repository root on
+``sys.path``, for ``vllm_cp_kv`` and ``harness`` where neither is
+installed): result directories, JSON and plot writing, run metadata
+(machine, commit, date), process spawn, CUDA-event timing."""
 
 from __future__ import annotations
 
 import datetime
 import json
 import os
+import platform
 import socket
 import statistics
+import subprocess
 import sys
 
 import torch
@@ -16,6 +22,9 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+# the vLLM driver the tests and GPU checks share (one generation per process)
+RUN_VLLM = os.path.join(ROOT, "harness", "run_vllm.py")
 
 # NVLink multicast must stay off on the lent machines.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -63,16 +72,88 @@ def time_ms(fn, iters: int = 20, warmup: int = 3, sync_group: bool = True) -> fl
     return statistics.median(times)
 
 
-def header() -> dict:
-    return {"gpu": torch.cuda.get_device_name(0), "num_gpus": torch.cuda.device_count(),
-            "torch": torch.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+# ---- results ---------------------------------------------------------------------
+def result_dir(path: str | None = None) -> str:
+    """``path`` (default ``benchmarks/results``), created if missing."""
+    path = path or RESULTS
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
-def write_json(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+def write_json(path: str, data: dict, indent: int | None = 1) -> None:
+    """``data`` as JSON at ``path`` (its folder created if missing)."""
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+        json.dump(data, f, indent=indent)
+
+
+def pyplot(optional: bool = False):
+    """``matplotlib.pyplot`` on the Agg backend; with ``optional``, None
+    where matplotlib is missing (the GPU payload has none: plot here)."""
+    try:
+        import matplotlib
+    except ImportError:
+        if optional:
+            return None
+        raise
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str, dpi: int = 110) -> str:
+    """Lay out, write and close ``fig``; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+# ---- metadata -------------------------------------------------------------------
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
+def commit() -> str | None:
+    """The checkout's commit (``-dirty`` with uncommitted changes to tracked
+    files); None outside a git checkout (the GPU machine's copy)."""
+    def git(*args) -> str | None:
+        try:
+            proc = subprocess.run(["git", "-C", ROOT, *args], capture_output=True,
+                                  text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    rev = git("rev-parse", "--short=12", "HEAD")
+    if not rev:
+        return None
+    return rev + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def meta() -> dict:
+    """Where and when a run ran: date, machine (CPU model and count), commit."""
+    return {"date": now(), "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
+            "commit": commit()}
+
+
+def header() -> dict:
+    """GPU runs: the GPU, their count, torch, date and commit."""
+    return {"gpu": torch.cuda.get_device_name(0), "num_gpus": torch.cuda.device_count(),
+            "torch": torch.__version__, "date": now(), "commit": commit()}
 
 
 def graph_time(body, replays: int = 10):

@@ -5,10 +5,16 @@ TP=2+DCP=2, with and without CUDA graphs), in one run.
 Usage: python benchmarks/decode_steps.py OUT_DIR [--contexts 256,1024,3584]
            [--batch 8] [--steps 64] [--dtype bfloat16] [--model DIR]
            [--configs unsharded,sharded_lse,sharded_materialize] [--gpu-mem F]
+           [--spec-tokens 1,2,3]
 
 Configurations: ``unsharded`` (TP=2), ``sharded_lse``, ``sharded_materialize``,
 ``vllm_dcp`` (vLLM's TP=2 + DCP=2, GPU); a ``_graphs`` suffix runs it with
-CUDA graphs (vLLM's default mode) instead of eager.
+CUDA graphs (vLLM's default mode) instead of eager. ``--spec-tokens 1,2,3``
+runs every configuration with DeepSeek MTP at each number of draft tokens
+(``<config>+mtp<k>``; the model must have an MTP layer, e.g.
+``tools/tiny_model.py --mtp``) and reports, per context, the decode
+throughput (new tokens per second over the timed steps: a step emits 1 +
+the accepted drafts per request) and vLLM's acceptance rate.
 
 Each configuration runs in its own process (vLLM's workers start fresh) and
 goes through the context lengths in turn: ``--batch`` requests of that many
@@ -32,87 +38,125 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, meta, pyplot, result_dir, save_figure, write_json
+
 CONFIGS = {"unsharded": None, "sharded_lse": {"decode": "lse"},
            "sharded_materialize": {"decode": "materialize"}, "vllm_dcp": "dcp"}
 
 
 def config_of(name: str):
-    """(cp_kv options or None or "dcp", CUDA graphs?) of a configuration name."""
+    """(cp_kv options or None or "dcp", CUDA graphs?, MTP draft tokens) of a
+    configuration name."""
+    name, _, mtp = name.partition("+mtp")
     graphs = name.endswith("_graphs")
-    return CONFIGS[name[: -len("_graphs")] if graphs else name], graphs
+    return CONFIGS[name[: -len("_graphs")] if graphs else name], graphs, int(mtp or 0)
+
+
+def spec_kwargs(k: int, backend: str | None) -> dict:
+    if not k:
+        return {}
+    config = {"method": "mtp", "num_speculative_tokens": k}
+    if backend:  # vLLM picks the draft's attention backend separately
+        config["attention_backend"] = backend
+    return {"speculative_config": config, "disable_log_stats": False}
 
 
 def run_config(a, name: str, out: str) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_cp_kv.tools.offline import build_llm, spec_decode_counters
     from vllm_cp_kv.tools.tiny_model import token_prompts
 
     import torch
 
     contexts = [int(x) for x in a.contexts.split(",")]
-    options, graphs = config_of(name)
-    kw = dict(model=a.model, tensor_parallel_size=2, dtype=a.dtype,
-              max_model_len=max(contexts) + a.steps + 64, max_num_seqs=a.batch,
-              enforce_eager=not graphs, seed=0, enable_prefix_caching=False)
-    if torch.cuda.is_available():
-        kw.update(gpu_memory_utilization=a.gpu_mem, disable_custom_all_reduce=True)
-    else:
-        kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
-    if a.backend:
-        kw["attention_config"] = {"backend": a.backend}
-    if options == "dcp":
-        kw["decode_context_parallel_size"] = 2
-    elif options is not None:
-        kw["additional_config"] = {"cp_kv": {"enable": True, **options}}
+    options, graphs, mtp = config_of(name)
+    gpu = torch.cuda.is_available()
     sharded = isinstance(options, dict)
-    llm = LLM(**kw)
+    llm = build_llm(a.model, tp=2, dtype=a.dtype, backend=a.backend, eager=not graphs,
+                    gpu_mem=a.gpu_mem if gpu else None, rope=None if gpu else "torch",
+                    dcp=2 if options == "dcp" else 1, cp_kv=options if sharded else None,
+                    max_model_len=max(contexts) + (1 + mtp) * a.steps + 64,
+                    max_num_seqs=a.batch, enable_prefix_caching=False,
+                    **spec_kwargs(mtp, a.backend))
     engine = llm.llm_engine
     vocab = engine.vllm_config.model_config.get_vocab_size()
     # long enough that every request still runs during the timed steps
-    sp = SamplingParams(temperature=0.0, max_tokens=a.steps + 32, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=(1 + mtp) * a.steps + 32,
+                        ignore_eos=True)
     rows = []
     for k, ctx in enumerate(contexts):
         for i, ids in enumerate(token_prompts([ctx] * a.batch, vocab, seed=k)):
             engine.add_request(f"{k}-{i}", TokensPrompt(prompt_token_ids=ids), sp)
         started: set = set()
-        tokens = {}
+        tokens, emitted = {}, {}
 
         def step():
             outs = engine.step()
             tokens.update({o.request_id: list(o.outputs[0].token_ids)
                            for o in outs if o.finished})
+            emitted.update({o.request_id: len(o.outputs[0].token_ids) for o in outs})
             return outs
 
         while len(started) < a.batch:  # prefills (and the steps mixing them)
             started |= {o.request_id for o in step() if o.outputs[0].token_ids}
         if sharded:
             llm.collective_rpc("cp_kv_stats", kwargs={"reset": True})
-        times = []
+        times, before = [], dict(emitted)
+        drafts = spec_decode_counters(llm) if mtp else None
         for _ in range(a.steps):
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
+        new_tokens = sum(emitted[r] - before.get(r, 0) for r in emitted)
+        if mtp:
+            after = spec_decode_counters(llm)
+            drafts = {key: after[key] - drafts[key] for key in after}
         stats = llm.collective_rpc("cp_kv_stats")[0] if sharded else None
         while engine.has_unfinished_requests():
             step()
+        accepted = (drafts["spec_decode_num_accepted_tokens"]
+                    / max(drafts["spec_decode_num_draft_tokens"], 1)) if mtp else None
         rows.append({"context": ctx, "median_ms": 1e3 * statistics.median(times),
                      "times_ms": [1e3 * t for t in times],
+                     "tokens_per_s": new_tokens / sum(times), "acceptance": accepted,
+                     "spec_decode": drafts,
                      "bytes_per_step": (statistics.median(stats["decode_step_bytes"])
                                         if stats and stats["decode_step_bytes"] else 0),
                      "tokens": [tokens[f"{k}-{i}"] for i in range(a.batch)]})
-    with open(out, "w") as f:
-        json.dump({"config": name, "rows": rows}, f)
+    write_json(out, {"config": name, "rows": rows}, indent=None)
+
+
+def report_spec(res: dict, configs: list[str], out_dir: str) -> int:
+    """MTP runs: decode throughput of every configuration against the first
+    (unsharded) one at the same number of draft tokens and context."""
+    print(f"{'config':<26}{'context':>8}{'tokens/s':>10}{'vs base':>9}{'accepted':>10}")
+    for name, rows in res["configs"].items():
+        base = next((c for c in configs if c.endswith(name[name.index("+mtp"):])), None)
+        base_rows = {r["context"]: r for r in res["configs"].get(base, [])}
+        for r in rows:
+            b = base_rows.get(r["context"])
+            r["throughput_ratio"] = r["tokens_per_s"] / b["tokens_per_s"] if b else None
+            r["same_tokens_as_base"] = b is not None and r["tokens"] == b["tokens"]
+            print(f"{name:<26}{r['context']:>8}{r['tokens_per_s']:>10.1f}"
+                  f"{r['throughput_ratio'] or 0:>9.2f}{r['acceptance']:>10.2f}")
+    write_json(os.path.join(out_dir, "decode_steps_mtp.json"), res)
+    fig, ax = pyplot().subplots(figsize=(7, 4.2))
+    for k, (name, rows) in enumerate(res["configs"].items()):
+        ax.plot([r["context"] for r in rows], [r["tokens_per_s"] for r in rows],
+                marker="o", color=f"C{k}", linestyle="-" if "sharded" in name else "--",
+                label=f"{name} (accepted {rows[0]['acceptance']:.0%})")
+    ax.set(xlabel="context (tokens)", ylabel="decode tokens/s (pure decode steps)",
+           title=f"DeepSeek MTP, batch {res['batch']}, TP=2, {res['dtype']}")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    save_figure(fig, os.path.join(out_dir, "decode_steps_mtp.png"))
+    return 0
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = pyplot().subplots(1, 2, figsize=(11, 4.2))
     for k, (name, rows) in enumerate(res["configs"].items()):
         ctx = [r["context"] for r in rows]
         style = dict(marker="o", label=name, color=f"C{k}")  # one color per config
@@ -126,8 +170,7 @@ def plot(res: dict, path: str) -> None:
     for ax in axes:
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -141,6 +184,8 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--configs", default="unsharded,sharded_lse,sharded_materialize")
     ap.add_argument("--gpu-mem", type=float, default=0.5)
+    ap.add_argument("--spec-tokens", default=None,
+                    help="DeepSeek MTP with these numbers of draft tokens, e.g. 1,2,3")
     ap.add_argument("--run", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.model is None:
@@ -148,12 +193,14 @@ def main() -> int:
 
         a.model = build_held_out(os.path.join(ROOT, ".work", "models", "held-out-dsv2"))
     configs = a.configs.split(",")
+    if a.spec_tokens:
+        configs = [f"{c}+mtp{k}" for k in a.spec_tokens.split(",") for c in configs]
     if a.run:
         run_config(a, *a.run)
         return 0
-    os.makedirs(a.out_dir, exist_ok=True)
+    result_dir(a.out_dir)
     res = {"batch": a.batch, "steps": a.steps, "dtype": a.dtype, "model": a.model,
-           "machine": os.uname().nodename, "configs": {}}
+           **meta(), "configs": {}}
     for name in configs:
         out = os.path.join(a.out_dir, f"{name}.json")
         args = [sys.executable, os.path.abspath(__file__), a.out_dir, "--run", name, out,
@@ -171,6 +218,8 @@ def main() -> int:
             continue
         with open(out) as f:
             res["configs"][name] = json.load(f)["rows"]
+    if a.spec_tokens:
+        return report_spec(res, configs, a.out_dir)
     base = {r["context"]: r["median_ms"] for r in res["configs"].get(configs[0], [])}
     res["baseline"] = configs[0]
     print(f"{'config':<22}{'context':>8}{'step ms':>10}{'ratio':>8}{'extra ms':>10}"
@@ -192,8 +241,7 @@ def main() -> int:
                                                           res["configs"][eager]))
     print("failed:", sorted(res.get("failed", {})), "graphs same tokens:",
           res.get("graphs_same_tokens"))
-    with open(os.path.join(a.out_dir, "decode_steps.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(os.path.join(a.out_dir, "decode_steps.json"), res)
     plot(res, os.path.join(a.out_dir, "decode_steps.png"))
     return 0
 

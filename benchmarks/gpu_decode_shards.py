@@ -3,6 +3,7 @@
 Usage (GPU machine, after ``source scripts/gpu/setup_device.sh``):
     python3 benchmarks/gpu_decode_shards.py OUT_DIR [--batch 16] [--context 32768]
         [--heads 128] [--shards 2,4] [--backends FLASHMLA,FLASH_ATTN_MLA,TRITON_MLA]
+        [--queries 1]
 
 One batch's cache (bf16, block 64, DeepSeek's 576-wide latent; random keys
 plus one needle token per request that every head attends to, in a block
@@ -18,6 +19,14 @@ negative control: the last shard reads shard 0's blocks instead of its own).
 Times (CUDA events, median of 20): the whole-cache kernel, one shard's
 kernel (what each rank runs), the merge; the cross-rank traffic per rank is
 counted, not timed (one process). Writes ``decode_shards.json``.
+
+``--queries Q`` (speculative verification: 1 + k query tokens per request):
+each shard runs the kernel on one row per query token with its own causal
+limit over the owned tokens (``core.decode.query_token_lens``, what the
+plugin does), and the reference is the kernel's own multi-query causal
+path on the whole cache (FLASHMLA, FLASH_ATTN_MLA; TRITON_MLA has none and
+flattens its rows itself, so there one row per query token on the whole
+cache). Writes ``decode_shards_q{Q}.json``.
 """
 
 from __future__ import annotations
@@ -30,15 +39,15 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import header, time_ms, write_json  # noqa: E402
-from vllm_cp_kv.core.ownership import CPShardSpec, owned_token_count  # noqa: E402
+from common import header, pyplot, save_figure, time_ms, write_json
+from vllm_cp_kv.core.decode import query_token_lens
+from vllm_cp_kv.core.ownership import CPShardSpec
 
 LATENT, ROPE, BS = 512, 64, 64
 SCALE = (128 + 64) ** -0.5
 
 
-def make_batch(batch, context, heads, seed=0):
+def make_batch(batch, context, heads, seed=0, queries=1):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     nblk = -(-context // BS)
     lens = torch.tensor([context - 37 * i for i in range(batch)], dtype=torch.int32,
@@ -47,13 +56,14 @@ def make_batch(batch, context, heads, seed=0):
         batch, nblk).to(torch.int32)
     cache = (torch.randn(batch * nblk, BS, LATENT + ROPE, generator=gen, device="cuda")
              * 0.5).to(torch.bfloat16)
-    q = (torch.randn(batch, heads, LATENT + ROPE, generator=gen, device="cuda")
+    q = (torch.randn(batch * queries, heads, LATENT + ROPE, generator=gen, device="cuda")
          * 0.5).to(torch.bfloat16)
     # one "needle" token per request that every head attends to strongly, in
     # a block the last shard owns (logical block j = 3 mod 4): random keys
     # alone average out, so a shard reading the wrong blocks would change
     # the output only slightly; with the needle it changes it completely
-    needle = (3 * q.float().sum(dim=1) / heads ** 0.5).to(torch.bfloat16)
+    needle = (3 * q.view(batch, queries, heads, -1)[:, 0].float().sum(dim=1)
+              / heads ** 0.5).to(torch.bfloat16)
     for i in range(batch):
         j = (int(lens[i]) - 1) // BS - 4  # a full block, not the last one
         j -= (j - 3) % 4  # owned by the last shard for N = 2 and 4 (j = 3 mod 4)
@@ -61,11 +71,45 @@ def make_batch(batch, context, heads, seed=0):
     return q, cache, table, lens
 
 
-def shard_view(table, lens, n, r):
-    """Shard r's block table (columns r, r+N, ...) and owned-token counts."""
+def shard_view(table, lens, n, r, queries=1):
+    """Shard r's block table (columns r, r+N, ...) and owned-token counts,
+    one row per query token (``queries`` new tokens per request)."""
     local_table = table[:, r::n].contiguous()
-    local = owned_token_count(lens.long().cpu(), CPShardSpec(r, n, BS))
+    rows, local = query_token_lens(lens.long().cpu(), [queries] * lens.numel(),
+                                   CPShardSpec(r, n, BS))
+    if rows is not None:
+        local_table = local_table.index_select(0, rows.cuda())
     return local_table, local.to(torch.int32).cuda()
+
+
+def whole_multi_query(name, q, cache, table, lens, queries):
+    """The whole cache with ``queries`` query tokens per request, through the
+    kernel's own causal multi-query path (``q``: ``[B * Q, H, D]``)."""
+    b, h = table.shape[0], q.shape[1]
+    if name == "FLASHMLA":
+        from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache, get_mla_metadata
+
+        sched, _ = get_mla_metadata(lens, queries * h, 1, is_fp8_kvcache=False)
+        o, _ = flash_mla_with_kvcache(
+            q=q.view(b, queries, h, -1), k_cache=cache.unsqueeze(-2), block_table=table,
+            cache_seqlens=lens, head_dim_v=LATENT, tile_scheduler_metadata=sched,
+            softmax_scale=SCALE, causal=True, is_fp8_kvcache=False)
+        return o.reshape(b * queries, h, LATENT)
+    if name == "FLASH_ATTN_MLA":
+        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+        cu = torch.arange(b + 1, dtype=torch.int32, device="cuda") * queries
+        return flash_attn_varlen_func(
+            q=q[..., LATENT:], k=cache[..., LATENT:].unsqueeze(-2),
+            v=cache[..., :LATENT].unsqueeze(-2), q_v=q[..., :LATENT],
+            max_seqlen_q=queries, cu_seqlens_q=cu, max_seqlen_k=int(lens.max()),
+            seqused_k=lens, block_table=table, softmax_scale=SCALE, causal=True,
+            fa_version=3)
+    # TRITON_MLA: one row per query token, each its causal length
+    rows = torch.arange(b, device="cuda").repeat_interleave(queries)
+    per_query = (lens.long().repeat_interleave(queries) - queries + 1
+                 + torch.arange(queries, device="cuda").repeat(b)).to(torch.int32)
+    return KERNELS[name](q, cache, table.index_select(0, rows), per_query)[0]
 
 
 # -- vLLM's decode kernels, called as its MLA impls call them ---------------
@@ -142,11 +186,16 @@ def merge(outs, lses):
 
 
 def run_backend(name, a, q, cache, table, lens) -> dict:
-    kernel = KERNELS[name]
-    whole, _ = kernel(q, cache, table, lens)
-    row = {"backend": name, "whole_ms": time_ms(lambda: kernel(q, cache, table, lens))}
+    kernel, queries = KERNELS[name], a.queries
+    if queries == 1:
+        whole, _ = kernel(q, cache, table, lens)
+        row = {"backend": name, "whole_ms": time_ms(lambda: kernel(q, cache, table, lens))}
+    else:
+        whole = whole_multi_query(name, q, cache, table, lens, queries)
+        row = {"backend": name, "queries": queries, "whole_ms": time_ms(
+            lambda: whole_multi_query(name, q, cache, table, lens, queries))}
     for n in (int(x) for x in a.shards.split(",")):
-        views = [shard_view(table, lens, n, r) for r in range(n)]
+        views = [shard_view(table, lens, n, r, queries) for r in range(n)]
         parts = [kernel(q, cache, t, l) for t, l in views]
         merged = merge([o for o, _ in parts], [lse for _, lse in parts])
         err = (merged.float() - whole.float()).abs().max().item()
@@ -175,14 +224,9 @@ def run_backend(name, a, q, cache, table, lens) -> dict:
 def plot(path: str) -> str:
     """decode_shards.json -> decode_shards.png (here: matplotlib is not in
     the GPU payload)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     res = json.load(open(path))
     rows = [r for r in res["rows"] if "whole_ms" in r]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = pyplot().subplots(1, 2, figsize=(11, 4))
     x = range(len(rows))
     ax = axes[0]
     ax.bar([i - 0.3 for i in x], [r["whole_ms"] for r in rows], 0.2, label="whole cache")
@@ -195,7 +239,8 @@ def plot(path: str) -> str:
     ax.set_xticks(list(x), [r["backend"] for r in rows])
     ax.set_ylabel("ms (median of 20)")
     ax.set_title(f"decode, batch {res['batch']}, {res['context'] // 1024}K context, "
-                 f"{res['heads']} heads, {res['gpu']}", fontsize=9)
+                 f"{res['heads']} heads, {res.get('queries', 1)} query tokens per "
+                 f"request, {res['gpu']}", fontsize=8)
     ax.legend(fontsize=8)
     ax = axes[1]
     for n, off in (("n2", -0.2), ("n4", 0.2)):
@@ -207,10 +252,7 @@ def plot(path: str) -> str:
     ax.set_xticks(list(x), [r["backend"] for r in rows])
     ax.set_ylabel("max abs error vs whole-cache kernel (bf16)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = path[:-5] + ".png"
-    fig.savefig(out, dpi=110)
-    return out
+    return save_figure(fig, path[:-5] + ".png")
 
 
 def main() -> int:
@@ -223,13 +265,16 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--shards", default="2,4")
     ap.add_argument("--backends", default=",".join(KERNELS))
+    ap.add_argument("--queries", type=int, default=1,
+                    help="query tokens per request (1 + speculative draft tokens)")
     a = ap.parse_args()
+    name = "decode_shards.json" if a.queries == 1 else f"decode_shards_q{a.queries}.json"
     if a.plot:
-        print(plot(os.path.join(a.out_dir, "decode_shards.json")))
+        print(plot(os.path.join(a.out_dir, name)))
         return 0
-    q, cache, table, lens = make_batch(a.batch, a.context, a.heads)
+    q, cache, table, lens = make_batch(a.batch, a.context, a.heads, queries=a.queries)
     res = {**header(), "batch": a.batch, "context": a.context, "heads": a.heads,
-           "block_size": BS, "dtype": "bfloat16", "rows": []}
+           "queries": a.queries, "block_size": BS, "dtype": "bfloat16", "rows": []}
     for name in a.backends.split(","):
         try:
             row = run_backend(name, a, q, cache, table, lens)
@@ -239,7 +284,7 @@ def main() -> int:
         res["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "trace"}))
     res["merge"] = MERGE
-    write_json(os.path.join(a.out_dir, "decode_shards.json"), res)
+    write_json(os.path.join(a.out_dir, name), res)
     return 0
 
 

@@ -17,11 +17,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import graph_time, header, spawn, time_ms, write_json  # noqa: E402
-
-from vllm_cp_kv.core.last_token import gather_sampled_rows, plan_sampled_rows  # noqa: E402
-from vllm_cp_kv.core.materialize import all_gather_into_fn  # noqa: E402
+from common import graph_time, header, result_dir, spawn, time_ms, write_json
+from vllm_cp_kv.core.last_token import gather_sampled_rows, plan_sampled_rows
+from vllm_cp_kv.core.materialize import all_gather_into_fn
 
 HIDDEN = 7168
 
@@ -95,7 +93,7 @@ def run(rank, n, out_dir):
 
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results"
+    out = result_dir(sys.argv[1] if len(sys.argv) > 1 else None)
     if torch.cuda.device_count() < 2:
         print("last-token gather: needs 2 GPUs, skipped")
         sys.exit(0)

@@ -7,7 +7,7 @@ Usage (on the lent 2xH200 machine): python benchmarks/gpu_materialize.py OUT_DIR
    rank that owns nothing and a one-token request: the full view gathered
    with ``core.materialize.gather`` (``pack`` = ``index_select`` into the
    own slice, then the in-place all-gather) against every token read from
-   where vLLM's slot-mapping kernel stored it (tests/reference.py), and the
+   where vLLM's slot-mapping kernel stored it (harness/reference.py), and the
    plan made on the GPU against the plan made on the CPU.
 2. Bandwidth: HBM device-to-device copy (the ceiling for the pack); the pack
    alone; plain NCCL all_gather_into_tensor against the materialization
@@ -28,16 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, graph_time, header, spawn, time_ms, write_json  # noqa: E402
-
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # the independent reference
-from reference import full_view, tokens_of  # noqa: E402
-
-from vllm_cp_kv.core.materialize import (LayerPrefetcher, all_gather_into_fn,  # noqa: E402
-                                         gather, pack)
-from vllm_cp_kv.core.ownership import CPShardSpec  # noqa: E402
-from vllm_cp_kv.core.plan import plan_materialization  # noqa: E402
+from common import graph_time, header, result_dir, spawn, time_ms, write_json
+from harness.reference import full_view, tokens_of  # the independent reference
+from vllm_cp_kv.core.materialize import LayerPrefetcher, all_gather_into_fn, gather, pack
+from vllm_cp_kv.core.ownership import CPShardSpec
+from vllm_cp_kv.core.plan import plan_materialization
 
 LOW_CTAS = 2  # NCCL CTAs of the prefetch communicator in the overlap test
 BS = 64  # GPU MLA block size (FlashMLA / sparse backends)
@@ -269,5 +264,5 @@ def print_table(r):
 
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results"
+    out = result_dir(sys.argv[1] if len(sys.argv) > 1 else None)
     spawn(run, min(2, torch.cuda.device_count()), out)

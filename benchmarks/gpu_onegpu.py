@@ -6,12 +6,14 @@ Usage (on the GPU machine, after ``source scripts/gpu/setup_device.sh``):
     python benchmarks/gpu_onegpu.py OUT_DIR [--runs GROUP|NAME,...]
         [--budget-s 540] [--parallel 4]
     python benchmarks/gpu_onegpu.py OUT_DIR --summarize   (here, afterwards)
+    python benchmarks/gpu_onegpu.py OUT_DIR --against OLD_DIR  (a re-run of
+        runs whose references are in OLD_DIR: same tokens, statistics, hits)
 GROUPs: ``tp`` (TP=2 with FLASH_ATTN_MLA, FLASHMLA, TRITON_MLA, their
 multi-token decode rows, prefix caching, TP=4), ``pcp`` (PCP=2 dense, MoE,
 both sparse backends), ``pd`` (a TP=2 sharded prefill feeding a TP=1 decode
 over NIXL), ``all``.
 
-Runs go through ``tests/run_vllm.py`` (and ``vllm_cp_kv.tools.pd_offline``)
+Runs go through ``harness/run_vllm.py`` (and ``vllm_cp_kv.tools.pd_offline``)
 as in benchmarks/gpu_vllm_checks.py, with a fixed KV budget per rank
 (``--kv-bytes``: no memory profiling, so ranks that share the GPU do not
 count each other's memory) and a small ``gpu_memory_utilization``, so that
@@ -29,10 +31,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import gpu_vllm_checks as checks  # noqa: E402  (model builders, run loading)
+import gpu_vllm_checks as checks  # model builders, run loading
+from common import ROOT, RUN_VLLM, pyplot, result_dir, save_figure, write_json
+from vllm_cp_kv.tools import tiny_model
 
 HARNESS = os.path.join(ROOT, "scripts", "gpu", "onegpu")
 KV = str(4 << 30)  # per rank: the scratch view (8 x 8,200 tokens, one layer) is < 2%
@@ -45,6 +46,9 @@ PHASES = ["--token-prompts", "40,250,300,700;3000,4000,6000,8000", "--max-model-
 WAVES = GEN + ["--suffix-len", "24"]
 DEBUG = {"VLLM_CP_KV_DEBUG": "1"}
 SHIM = {"CPKV_SHIM_DECODE_THRESHOLD": "64"}  # patches.py no. 8
+# patches.py no. 9 (pd_hooks.py): the decode writes every pull's blocks
+# without their logical positions
+DROP = {"CPKV_TEST_HOOKS": "1", "CPKV_TEST_IGNORE_POSITIONS": "1"}
 BACKENDS = {"FA": "FLASH_ATTN_MLA", "FM": "FLASHMLA", "TR": "TRITON_MLA"}
 SPARSE = {"fas": ["--backend", "FLASH_ATTN_MLA_SPARSE"],
           "fms": ["--backend", "FLASHMLA_SPARSE", "--kv-cache-dtype", "fp8_ds_mla"]}
@@ -93,8 +97,8 @@ def runs() -> dict:
     r["pd-pcp2-nixl"] = ("pd", ["--prefill-tp", "1", "--prefill-pcp", "2"], True, {})
     # negative control: the decode writes the blocks without their logical
     # positions (what a layout error looks like in the tokens)
-    r["pd-pcp2-nixl-dropped"] = ("pd", ["--prefill-tp", "1", "--prefill-pcp", "2",
-                                        "--drop-positions"], True, {})
+    r["pd-pcp2-nixl-dropped"] = ("pd", ["--prefill-tp", "1", "--prefill-pcp", "2"], True,
+                                 DROP)
     # float16 (8x finer rounding than bf16): fewer near-tie flips between layouts
     half = ["--dtype", "float16"]
     r["tp1-FA-plain-fp16"] = ("moe", ["--tp", "1", "--no-plugin", "--backend",
@@ -129,9 +133,6 @@ def model_dir(kind: str) -> str:
     gpu_vllm_checks builds it."""
     if kind == "dsv32":
         return checks.model_dir(kind)
-    sys.path.insert(0, ROOT)
-    from vllm_cp_kv.tools import tiny_model
-
     return tiny_model.build(os.path.join(checks.MODELS, "onegpu-" + kind), gpu_heads=True,
                             moe=kind == "moe", heads=8 if kind == "dense8" else 6,
                             max_positions=16384)
@@ -160,7 +161,7 @@ def run_one(name: str, spec, out: str, timeout: float) -> dict:
                "--kv-bytes", KV, "--port", str(port), "--timeout", str(int(timeout) - 20),
                *args]
     else:
-        cmd = [sys.executable, os.path.join(ROOT, "tests", "run_vllm.py"), model_dir(kind),
+        cmd = [sys.executable, RUN_VLLM, model_dir(kind),
                os.path.join(out, f"{name}.json"), *BASE, *args]
     rc = checks.run_logged(cmd, env_for(harness, extra), os.path.join(out, f"{name}.log"),
                            timeout, "CMD " + " ".join(cmd) + f"\nENV {extra} harness={harness}\n")
@@ -170,6 +171,7 @@ def run_one(name: str, spec, out: str, timeout: float) -> dict:
         if os.path.exists(path):
             with open(path) as f:
                 res.update(json.load(f))
+            res["drop_positions"] = extra.get("CPKV_TEST_IGNORE_POSITIONS") == "1"
         res["wall_s"] = round(time.time() - t0, 1)
         return res
     return checks.load_run(out, name, rc, wall_s=round(time.time() - t0, 1))
@@ -261,7 +263,7 @@ def compare(results) -> dict:
             stats = [x for x in (run.get("stats") or []) if x]
             m["multi_query_decode_steps"] = (
                 [sum(w[r]["multi_query_decode_steps"] for w in per_wave)
-                 for r in range(len(per_wave[0]))] if per_wave  # tests/run_vllm.py resets per wave
+                 for r in range(len(per_wave[0]))] if per_wave  # run_vllm.py resets per wave
                 else [x.get("multi_query_decode_steps") for x in stats])
             stats = stats or (per_wave[0] if per_wave else [])
             m["ok"] = m["ok_capacity_writes_debug"] and bool(stats) and all(
@@ -338,8 +340,7 @@ def pd_check(out, name, pd):
 
 def report(out_dir, results):
     cks = compare(results)
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump({"runs": results, "checks": cks}, f, indent=1)
+    write_json(os.path.join(out_dir, "summary.json"), {"runs": results, "checks": cks})
     plot(out_dir, cks)
     print("\ncheck | ok | figures")
     for key, c in cks.items():
@@ -355,11 +356,8 @@ def report(out_dir, results):
 
 
 def plot(out_dir, cks):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(optional=True)
+    if plt is None:
         return
     items = {k: c for k, c in cks.items() if "capacity_ratio" in c}
     fig, ax = plt.subplots(figsize=(10, 4))
@@ -368,8 +366,48 @@ def plot(out_dir, cks):
     ax.set_xticks(range(len(items)), list(items), rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("KV capacity, sharded / unsharded")
     ax.set_title("one H200, ranks on gloo (green: every check of the pair holds)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "onegpu.png"), dpi=120)
+    save_figure(fig, os.path.join(out_dir, "onegpu.png"), dpi=120)
+
+
+def against(out: str, old: str) -> dict:
+    """Each run of ``out`` against the same run in ``old`` (a re-run after a
+    change that must not change behaviour): tokens of every wave, the shard
+    statistics' step counts and bytes, prefix-cache hits, P/D identity.
+    Writes OUT_DIR/against.json."""
+    keys = ("prefill_steps", "decode_steps", "prefill_bytes", "decode_bytes", "")
+
+    def load(folder, name):
+        path = os.path.join(folder, name + ".json")
+        if not os.path.exists(path):  # P/D runs keep their result in a folder
+            path = os.path.join(folder, name, "pd_result.json")
+        with open(path) as f:
+            return json.load(f)
+
+    def facts(r):
+        waves = r["waves"] if isinstance(r.get("waves"), list) else [r]
+        per_wave = [w["stats"] for w in waves if w.get("stats")]
+        # runs with per-wave statistics: their sums are the run's totals
+        totals = [{k: sum(wave[i][k] for wave in per_wave) for k in keys[:-1]}
+                  for i in range(len(per_wave[0]))] if len(per_wave) == len(waves) > 1 \
+            else [{k: s.get(k) for k in keys[:-1]} for s in r.get("stats") or []]
+        return {"tokens": [w.get("tokens") for w in waves],
+                "hits": [w.get("prefix_cache_hits") for w in waves],
+                "stats": totals, "identical": r.get("identical")}
+
+    with open(os.path.join(out, "summary.json")) as f:
+        names = sorted(json.load(f)["runs"])
+    report = {}
+    for name in names:
+        new, ref = facts(load(out, name)), facts(load(old, name))
+        stats_known = bool(ref["stats"])  # older runs of some kinds kept none
+        report[name] = {"same_tokens": new["tokens"] == ref["tokens"],
+                        "same_hits": new["hits"] == ref["hits"],
+                        "same_stats": new["stats"] == ref["stats"] if stats_known else None,
+                        "same_identity": new["identical"] == ref["identical"],
+                        "stats": new["stats"][:1]}
+        print(name, {k: v for k, v in report[name].items() if k != "stats"})
+    write_json(os.path.join(out, "against.json"), {"old": old, "runs": report})
+    return report
 
 
 def main() -> None:
@@ -380,9 +418,12 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--summarize", action="store_true")
+    ap.add_argument("--against", help="compare with the same runs in this folder")
     a = ap.parse_args()
+    if a.against:
+        return against(a.out, a.against)
     checks.OUT_DIR[0] = a.out
-    os.makedirs(a.out, exist_ok=True)
+    result_dir(a.out)
     path = os.path.join(a.out, "summary.json")
     results = {}
     if os.path.exists(path):  # earlier calls of the lease
@@ -407,8 +448,7 @@ def main() -> None:
     with ThreadPoolExecutor(a.parallel) as pool:
         for name, res in pool.map(go, names):
             results[name] = res
-            with open(path, "w") as f:
-                json.dump({"runs": results}, f, indent=1)
+            write_json(path, {"runs": results})
     report(a.out, results)
 
 

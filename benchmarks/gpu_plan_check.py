@@ -27,9 +27,9 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from vllm_cp_kv.core.ownership import CPShardSpec  # noqa: E402
-from vllm_cp_kv.core.plan import plan_materialization, plan_split_requests  # noqa: E402
+from common import write_json  # (also puts the repo root on sys.path)
+from vllm_cp_kv.core.ownership import CPShardSpec
+from vllm_cp_kv.core.plan import plan_materialization, plan_split_requests
 
 BS = 64
 
@@ -112,9 +112,7 @@ def main(out):
                                 and torch.equal(local.cpu(), ref_local)
                                 and torch.equal(plan.send_block_ids.cpu(), ref.send_block_ids)),
             "host_syncs": syncs_of(lambda: plan_split_requests(*args))}
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "plan_check.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(os.path.join(out, "plan_check.json"), res)
     for k, v in res.items():
         print(k, json.dumps(v))
     ok = all(v["same_as_cpu"] and v["host_syncs"] <= 1 for v in res.values())

@@ -6,7 +6,7 @@ Usage (on the GPU machine, after ``source scripts/gpu/setup_device.sh``):
 GROUPs: ``pcp`` (PCP=2, dense and MoE), ``tp`` (TP=2 with FLASH_ATTN_MLA,
 FLASHMLA, TRITON_MLA), ``ttft`` (time to first token), ``all``.
 
-Each configuration runs in its own process (``tests/run_vllm.py`` or
+Each configuration runs in its own process (``harness/run_vllm.py`` or
 ``benchmarks/gpu_vllm_ttft.py``) with a timeout; a run that fails is recorded
 with the tail of its log, the others go on. Sharded correctness runs have
 ``VLLM_CP_KV_DEBUG=1`` (all invariant checks on), TTFT runs do not.
@@ -22,7 +22,11 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# common first: it puts the repo root on sys.path
+from common import ROOT, RUN_VLLM, pyplot, result_dir, save_figure, write_json
+from harness.reference import owned_counts
+from vllm_cp_kv.tools import tiny_model
+
 MODELS = os.environ.get("CPKV_GPU_MODELS", "/root/models")
 BACKENDS = ("FLASH_ATTN_MLA", "FLASHMLA", "TRITON_MLA")
 TTFT_LENS = os.environ.get("CPKV_TTFT_LENS", "8192,32768,65536")
@@ -163,9 +167,6 @@ GROUPS["all"] = GROUPS["pcp"] + GROUPS["pcp-triton"] + GROUPS["vllm-moe-bug"] + 
 
 
 def model_dir(kind):
-    sys.path.insert(0, ROOT)
-    from vllm_cp_kv.tools import tiny_model
-
     path = os.path.join(MODELS, kind)
     if kind == "v3attn":
         return tiny_model.build_v3_attention(path)
@@ -180,7 +181,7 @@ def run_one(name, spec, out, timeout):
     js = os.path.join(out, f"{name}.json")
     args = [x.replace("{out}", out) for x in args]
     if kind == "gen":
-        cmd = [sys.executable, os.path.join(ROOT, "tests", "run_vllm.py"), path, js, *args]
+        cmd = [sys.executable, RUN_VLLM, path, js, *args]
     else:
         cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_vllm_ttft.py"),
                path, js, *args]
@@ -227,9 +228,6 @@ def load_run(out, name, rc=0, **extra):
 
 def owned_rows(prompt_lens, new_tokens, block_size, n):
     """Rows each of n ranks writes per layer (the last token is never fed back)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from reference import owned_counts
-
     return owned_counts([p + new_tokens - 1 for p in prompt_lens], block_size, n)
 
 
@@ -480,7 +478,7 @@ def main():
         results = {n: load_run(a.out, n) for n in names}
         return report(a.out, results)
     start = time.time()
-    os.makedirs(a.out, exist_ok=True)
+    result_dir(a.out)
     table = runs()
     names = [n for part in a.runs.split(",") for n in GROUPS.get(part, [part])]
     summary_path = os.path.join(a.out, "summary.json")
@@ -496,15 +494,13 @@ def main():
         cap = 330 if table[name][0] == "ttft" else 200
         results[name] = run_one(name, table[name], a.out, timeout=min(cap, left - 15))
         print(f"{name}: rc={results[name]['rc']} {results[name]['wall_s']} s", flush=True)
-        with open(summary_path, "w") as f:
-            json.dump({"runs": results, "checks": compare(results)}, f, indent=1)
+        write_json(summary_path, {"runs": results, "checks": compare(results)})
     report(a.out, results)
 
 
 def report(out, results):
     checks = compare(results)
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump({"runs": results, "checks": checks}, f, indent=1)
+    write_json(os.path.join(out, "summary.json"), {"runs": results, "checks": checks})
     plot(out, checks)
     print("\ncheck | ok | figures")
     for key, c in checks.items():
@@ -515,11 +511,8 @@ def report(out, results):
 
 def plot(out, checks):
     """Capacity ratio per layout and TTFT per prompt length (PNG)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(optional=True)
+    if plt is None:
         return
     pairs = {k: c for k, c in checks.items() if "capacity_ratio" in c and "same_tokens" in c}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -544,8 +537,7 @@ def plot(out, checks):
         ax2.set_xticks(list(x), [f"{int(n) // 1024}K" for n in lens])
         ax2.set_ylabel("TTFT ms (median of 5)")
         ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "gpu_vllm.png"), dpi=120)
+    save_figure(fig, os.path.join(out, "gpu_vllm.png"), dpi=120)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import statistics
 import time
 from collections import defaultdict
 
+from common import write_json  # (also puts the repo root on sys.path)
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -39,22 +41,19 @@ def main():
     ap.add_argument("--cp-kv", default="{}", help='more cp_kv options, e.g. \'{"prefetch": true}\'')
     ap.add_argument("--dcp", type=int, default=1, help="vLLM's own DCP (no plugin)")
     a = ap.parse_args()
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_cp_kv.tools.offline import build_llm
+
     lens = [int(x) for x in a.lens.split(",")]
-    kw = dict(model=a.model, dtype="bfloat16", enforce_eager=True,
-              max_model_len=max(lens) + 64, gpu_memory_utilization=a.gpu_mem,
-              tensor_parallel_size=a.tp, prefill_context_parallel_size=a.pcp,
-              seed=0, max_num_seqs=4, disable_custom_all_reduce=True)
+    kw = {}
     if a.profile:
         kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": a.profile,
                                  "torch_profiler_with_stack": False}
-    if a.shard:
-        kw["additional_config"] = {"cp_kv": {"enable": True, **json.loads(a.cp_kv)}}
-    if a.dcp > 1:
-        kw["decode_context_parallel_size"] = a.dcp
-    llm = LLM(**kw)
+    llm = build_llm(a.model, tp=a.tp, pcp=a.pcp, dcp=a.dcp, dtype="bfloat16",
+                    gpu_mem=a.gpu_mem, cp_kv=json.loads(a.cp_kv) if a.shard else None,
+                    max_model_len=max(lens) + 64, max_num_seqs=4, **kw)
     vc = llm.llm_engine.vllm_config
     res = {"pcp": a.pcp, "tp": a.tp, "shard": a.shard, "dcp": a.dcp,
            "cp_kv": json.loads(a.cp_kv) if a.shard else None,
@@ -85,8 +84,7 @@ def main():
         llm.generate([prompt(lens[-1])], sp, use_tqdm=False)
         llm.stop_profile()
         res["profile"] = summarize_traces(a.profile)
-    with open(a.out, "w") as f:
-        json.dump(res, f)
+    write_json(a.out, res, indent=None)
     print("RESULT", json.dumps(res))
 
 

@@ -45,9 +45,7 @@ buffers (docs/disaggregated.md).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -55,15 +53,11 @@ import uuid
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import write_json  # noqa: E402  (also puts the repo root on sys.path)
-
-from vllm_cp_kv.core.manifest import (check_complete, owned_manifest,  # noqa: E402
-                                      validate_manifest)
-from vllm_cp_kv.integration.connector.transfer import (  # noqa: E402
-    Transport, make_transport, read_owned_blocks)
-from vllm_cp_kv.tools.loopback import (owner_processes, serve_until_done,  # noqa: E402
-                                       transport_available)
+from common import meta, write_json  # (also puts the repo root on sys.path)
+from harness.loopback import owner_processes, serve_until_done, transport_available
+from vllm_cp_kv.core.manifest import check_complete, owned_manifest, validate_manifest
+from vllm_cp_kv.integration.connector.transfer import (Transport, make_transport,
+                                                       read_owned_blocks)
 
 HOST = "127.0.0.1"
 N = 2  # owner ranks (shard group)
@@ -309,15 +303,6 @@ def bench_transport(name):
         return rows
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
-
-
 def main():
     global ARGS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -334,9 +319,7 @@ def main():
                     help="with --device cuda: run Mooncake too (needs its CUDA build, "
                          "e.g. mooncake-transfer-engine-cuda13)")
     ARGS = ap.parse_args()
-    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
-           "torch": torch.__version__, "load_avg_start": os.getloadavg(),
+    out = {**meta(), "torch": torch.__version__, "load_avg_start": os.getloadavg(),
            "UCX_TLS": os.environ.get("UCX_TLS", "(default)"), "device": ARGS.device,
            "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY",
                                                            "(default)"),

@@ -8,10 +8,9 @@ import json
 import os
 import sys
 
-import matplotlib
+from common import pyplot, save_figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+plt = pyplot()
 
 
 def plot_pd_transfer(path: str) -> str:
@@ -41,11 +40,7 @@ def plot_pd_transfer(path: str) -> str:
     ax.set(ylabel="read descriptors", yscale="log", title="descriptors per request")
     ax.legend(fontsize=8)
     fig.suptitle(f"{res['machine']}, {res['date'][:10]}", fontsize=9)
-    fig.tight_layout()
-    out = os.path.splitext(path)[0] + ".png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, os.path.splitext(path)[0] + ".png")
 
 
 def main(d: str) -> None:
@@ -91,10 +86,7 @@ def main(d: str) -> None:
         ax.set(xlabel="context (8K-token chunk)", ylabel="time / replicated baseline",
                title="MLA-prefill layer loop with gathers")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = os.path.join(d, "gpu_benchmarks.png")
-    fig.savefig(out, dpi=110)
-    print(out)
+    print(save_figure(fig, os.path.join(d, "gpu_benchmarks.png")))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, meta, pyplot, result_dir, save_figure, write_json
 
 
 def workload(a, vocab: int):
@@ -58,10 +58,10 @@ def bytes_per_token(model: str, dtype: str) -> int:
 
 
 def run_config(a, name: str, out: str) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_cp_kv.tools.pd_offline import prefix_cache_counters
+    from vllm_cp_kv.tools.offline import build_llm, prefix_cache_counters
 
     final_ctx = a.turns * (a.user_tokens + a.new_tokens)
     working_set = a.conversations * final_ctx
@@ -69,21 +69,14 @@ def run_config(a, name: str, out: str) -> None:
     kv_bytes = int(a.working_set_fraction * working_set * bytes_per_token(a.model, a.dtype))
     if name == "sharded_half":
         kv_bytes //= 2
-    kw = dict(model=a.model, tensor_parallel_size=a.tp, dtype=a.dtype,
-              max_model_len=final_ctx + 64, max_num_seqs=a.max_num_seqs,
-              enforce_eager=True, seed=0, enable_prefix_caching=True,
-              disable_log_stats=False, kv_cache_memory_bytes=kv_bytes)
-    if a.pcp > 1:
-        kw["prefill_context_parallel_size"] = a.pcp
-    if a.backend:
-        kw["attention_config"] = {"backend": a.backend}
-    if a.device == "cpu":
-        kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
-    else:
-        kw["gpu_memory_utilization"] = a.gpu_mem
-    if name.startswith("sharded"):
-        kw["additional_config"] = {"cp_kv": {"enable": True}}
-    llm = LLM(**kw)
+    cpu = a.device == "cpu"
+    # GPU: vLLM's custom all-reduce stays on (no gpu_mem option)
+    gpu = {} if cpu else {"gpu_memory_utilization": a.gpu_mem}
+    llm = build_llm(a.model, tp=a.tp, pcp=a.pcp, dtype=a.dtype, backend=a.backend,
+                    kv_bytes=kv_bytes, rope="torch" if cpu else None,
+                    shard=name.startswith("sharded"), max_model_len=final_ctx + 64,
+                    max_num_seqs=a.max_num_seqs, enable_prefix_caching=True,
+                    disable_log_stats=False, **gpu)
     cfg = llm.llm_engine.vllm_config
     sp = SamplingParams(temperature=0.0, max_tokens=a.new_tokens, ignore_eos=True)
     users = workload(a, cfg.model_config.get_vocab_size())
@@ -107,25 +100,20 @@ def run_config(a, name: str, out: str) -> None:
     total = time.perf_counter() - t0
     queries = sum(t.get("prefix_cache_queries", 0) for t in turns)
     hits = sum(t.get("prefix_cache_hits", 0) for t in turns)
-    with open(out, "w") as f:
-        json.dump({"config": name, "kv_bytes_per_rank": kv_bytes, "shard_size": n,
-                   "capacity_tokens": cfg.cache_config.kv_cache_size_tokens,
-                   "prefix_caching": cfg.cache_config.enable_prefix_caching,
-                   "working_set_tokens": working_set, "turns": turns,
-                   "prompt_tokens": prompt_tokens, "queries": queries, "hits": hits,
-                   # of all prompt tokens (queries is 0 where caching is off)
-                   "hit_rate": hits / prompt_tokens,
-                   "recomputed_tokens": prompt_tokens - hits, "total_seconds": total}, f)
+    write_json(out, {"config": name, "kv_bytes_per_rank": kv_bytes, "shard_size": n,
+                     "capacity_tokens": cfg.cache_config.kv_cache_size_tokens,
+                     "prefix_caching": cfg.cache_config.enable_prefix_caching,
+                     "working_set_tokens": working_set, "turns": turns,
+                     "prompt_tokens": prompt_tokens, "queries": queries, "hits": hits,
+                     # of all prompt tokens (queries is 0 where caching is off)
+                     "hit_rate": hits / prompt_tokens,
+                     "recomputed_tokens": prompt_tokens - hits, "total_seconds": total},
+               indent=None)
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(res["configs"])
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    fig, axes = pyplot().subplots(1, 3, figsize=(12, 3.8))
     for ax, key, label in zip(axes, ("hit_rate", "recomputed_tokens", "total_seconds"),
                               ("prefix-cache hit rate", "prompt tokens recomputed",
                                "total time (s)")):
@@ -137,8 +125,7 @@ def plot(res: dict, path: str) -> None:
             ax.text(i, v, f"{v:.3g}", ha="center", va="bottom")
     fig.suptitle(f"{res['conversations']} conversations x {res['turns']} turns, same KV "
                  f"memory per rank (sharded_half: half) ({res['device']}, TP={res['tp']} PCP={res['pcp']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -170,11 +157,11 @@ def main() -> int:
     if a.run:
         run_config(a, *a.run)
         return 0
-    os.makedirs(a.out_dir, exist_ok=True)
+    result_dir(a.out_dir)
     res = {k: getattr(a, k) for k in ("conversations", "turns", "user_tokens", "new_tokens",
                                       "working_set_fraction", "tp", "pcp", "model", "dtype",
                                       "device")}
-    res["configs"] = {}
+    res.update(meta(), configs={})
     for name in ("unsharded", "sharded", "sharded_half"):
         out = os.path.join(a.out_dir, f"{name}.json")
         cmd = [sys.executable, os.path.abspath(__file__), a.out_dir, "--run", name, out]
@@ -207,8 +194,7 @@ def main() -> int:
           f"x{res['recomputed_ratio']:.2f}, time x{res['time_ratio']:.2f}")
     print(f"sharded/sharded_half: hit rate x{res['hit_rate_ratio_vs_half']}, recomputed "
           f"x{res['recomputed_ratio_vs_half']:.2f}, time x{res['time_ratio_vs_half']:.2f}")
-    with open(os.path.join(a.out_dir, "prefix_caching.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(os.path.join(a.out_dir, "prefix_caching.json"), res)
     plot(res, os.path.join(a.out_dir, "prefix_caching.png"))
     return 0
 

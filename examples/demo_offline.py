@@ -37,20 +37,17 @@ PROMPT_TOKENS, NEW_TOKENS, MAX_MODEL_LEN = 3000, 32, 3200
 
 def run_one(model: str, out: str, shard: bool, kv_bytes: int) -> None:
     """One configuration (in a fresh process: vLLM's workers start fresh)."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_cp_kv.tools.offline import build_llm
     from vllm_cp_kv.tools.tiny_model import token_prompts
 
-    kw = dict(model=model, tensor_parallel_size=2, dtype="float32",
-              attention_config={"backend": "CPU_MLA"}, max_model_len=MAX_MODEL_LEN,
-              max_num_seqs=1, kv_cache_memory_bytes=kv_bytes, enforce_eager=True,
-              seed=0, compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
-    if shard:
-        kw["additional_config"] = {"cp_kv": {"enable": True}}
     result: dict = {"shard": shard, "kv_bytes": kv_bytes}
     try:
-        llm = LLM(**kw)
+        llm = build_llm(model, tp=2, dtype="float32", backend="CPU_MLA", rope="torch",
+                        kv_bytes=kv_bytes, shard=shard, max_model_len=MAX_MODEL_LEN,
+                        max_num_seqs=1)
     except Exception as e:  # vLLM's own refusal
         result["refused"] = str(e).strip().splitlines()[0]
         with open(out, "w") as f:

@@ -73,11 +73,22 @@ def tiny_llama():
     return build_llama(os.path.join(MODELS_DIR, "tiny-llama"))
 
 
-RUNNER = os.path.join(ROOT, "tests", "run_vllm.py")
+RUNNER = os.path.join(ROOT, "harness", "run_vllm.py")
+# the one-GPU harness, its verification shims and the P/D test hooks
+# (scripts/gpu/onegpu/patches.py): active in processes started with this
+# folder on PYTHONPATH and a switch set
+HARNESS = os.path.join(ROOT, "scripts", "gpu", "onegpu")
+
+
+def harness_env(**switches) -> dict:
+    """Environment for a process with the patches of HARNESS armed by
+    ``switches`` (e.g. ``CPKV_TEST_HOOKS="1"``)."""
+    return {**switches, "PYTHONPATH": os.pathsep.join(
+        p for p in (HARNESS, os.environ.get("PYTHONPATH")) if p)}
 
 
 def run_generate(model, out_dir, name, *args, env=None, timeout=600):
-    """Run tests/run_vllm.py in a fresh process; return its JSON."""
+    """Run harness/run_vllm.py in a fresh process; return its JSON."""
     out = os.path.join(out_dir, f"{name}.json")
     full_env = {**os.environ, **CPU_ENV, **(env or {})}
     proc = subprocess.run(
@@ -91,3 +102,11 @@ def run_generate(model, out_dir, name, *args, env=None, timeout=600):
         res = json.load(f)
     res["log"] = proc.stdout + proc.stderr
     return res
+
+
+@pytest.fixture(scope="session")
+def tiny_mtp():
+    """A tiny DeepSeek-V3 with one MTP layer (tools/tiny_model.build_mtp)."""
+    from vllm_cp_kv.tools.tiny_model import build_mtp
+
+    return build_mtp(os.path.join(MODELS_DIR, "tiny-dsv3-mtp"))

@@ -164,15 +164,33 @@ class FakeTransport:
 
 
 def handshake(rank=0, shard_size=2, block_size=16, num_blocks=64, caches=2, transport="nixl"):
-    from vllm_cp_kv.integration.connector.side_channel import Handshake, TransportMeta
+    from vllm_cp_kv.integration.connector.side_channel import (Handshake, ShardLayout,
+                                                               TransportMeta)
 
-    return Handshake(engine_id="engine", rank=rank, shard_size=shard_size,
-                     block_size=block_size, ownership_rule="cyclic", num_blocks=num_blocks,
+    return Handshake(engine_id="engine", num_blocks=num_blocks,
+                     shard=ShardLayout(rank=rank, size=shard_size, block_size=block_size,
+                                       rule="cyclic"),
                      block_bytes=[1152 * block_size] * caches, dtype=["torch.bfloat16"] * caches,
                      layer_addrs=[(1 << 20) * (k + 1) for k in range(caches)],
                      transport=transport,
                      transport_meta=TransportMeta(agent_name=f"agent-{rank}",
                                                   agent_metadata=b"meta"))
+
+
+def claimed(producer, req_id: str, now: float | None = None) -> bool:
+    """Whether a reader holds a lease on ``req_id`` at prefill rank
+    ``producer`` (a ``Producer``), read from its state."""
+    import time
+
+    now = time.monotonic() if now is None else now
+    with producer._lock:
+        entry = producer._served.get(req_id)
+        return entry is not None and any(t > now for t in entry.leases.values())
+
+
+def server_alive(server) -> bool:
+    """Whether a ``SideChannelServer``'s thread still serves."""
+    return server._thread.is_alive()
 
 
 def serve_ranks(requests: dict, table, num_tokens: int, secret=None, expiry_s: float = 60.0):
@@ -187,7 +205,7 @@ def serve_ranks(requests: dict, table, num_tokens: int, secret=None, expiry_s: f
     port = free_port(consecutive=2)
     ranks = []
     for r in range(2):
-        p = Producer(r, 2, 16, handshake(rank=r), expiry_s, transport=FakeTransport())
+        p = Producer(handshake(rank=r), expiry_s, transport=FakeTransport())
         p.serve("127.0.0.1", port + r, secret)
         for req, token in requests.items():
             p.add(req, table, num_tokens, token)

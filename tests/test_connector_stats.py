@@ -95,7 +95,7 @@ def test_a_failed_pull_is_counted_once(prefill):
 
 
 def test_expiry_counts_the_requests_blocks():
-    p = Producer(1, 2, 16, handshake(rank=1), expiry_s=10.0, transport=FakeTransport())
+    p = Producer(handshake(rank=1), expiry_s=10.0, transport=FakeTransport())
     p.add("old", [7, 8, 9, 10], 100, TOKEN, now=0.0)
     assert p.take_finished(now=11.0) == {"old"}
     assert p.counters.take() == {"prefill": {"1": {"served": 0, "released": 0, "expired": 1,
@@ -104,7 +104,7 @@ def test_expiry_counts_the_requests_blocks():
 
 def test_a_reader_that_gives_up_counts_once():
     """Only a reader holding a claim counts, however often it says Release."""
-    p = Producer(0, 2, 16, handshake(), 60.0, transport=FakeTransport())
+    p = Producer(handshake(), 60.0, transport=FakeTransport())
     p.add("req", TABLE, NUM_TOKENS, TOKEN)
     p.handle(Fetch(nonce=new_nonce(), request_id="req", token=TOKEN, reader="r", lease_s=30))
     for reader in ("r", "r", "never-fetched"):
@@ -113,7 +113,7 @@ def test_a_reader_that_gives_up_counts_once():
 
 
 def test_a_wrong_token_counts_nothing():
-    p = Producer(0, 2, 16, handshake(), 60.0, transport=FakeTransport())
+    p = Producer(handshake(), 60.0, transport=FakeTransport())
     p.add("req", TABLE, NUM_TOKENS, TOKEN)
     wrong = secrets.token_urlsafe(32)
     p.handle(Release(nonce=new_nonce(), request_id="req", token=wrong, reader="r"))
@@ -307,12 +307,17 @@ def test_the_transport_meta_carries_memory_type_and_device():
 
 @needs_vllm
 def test_the_shard_rank_is_the_dcp_rank_when_sharded_and_the_tp_rank_otherwise():
-    from vllm_cp_kv.integration.connector.connector import shard_rank
+    from vllm_cp_kv.integration.connector.connector import side_rank
+    from vllm_cp_kv.integration.geometry import ShardGeometry, shard_rank
 
     # PCP=2, TP=1: both ranks have TP rank 0; the DCP group (= PCP) tells them apart
     for r in range(2):
-        assert shard_rank(2, SimpleNamespace(world_size=2, rank_in_group=r), tp_rank=0) == r
-    assert shard_rank(1, tp_rank=1) == 1  # the unsharded decode: its TP rank
+        assert shard_rank(2, SimpleNamespace(world_size=2, rank_in_group=r)) == r
+        geometry = ShardGeometry(rank=r, size=2, block_size=16, axis="pcp")
+        assert side_rank(geometry, tp_rank=0) == r
+    assert shard_rank(1) == 0  # nothing sharded: one rank holds every block
+    # the unsharded decode reads as its TP rank
+    assert side_rank(ShardGeometry(rank=0, size=1, block_size=16), tp_rank=1) == 1
     with pytest.raises(ValueError, match="DCP group has 4 ranks"):
         shard_rank(2, SimpleNamespace(world_size=4, rank_in_group=0))
 

@@ -73,7 +73,7 @@ class StubConsumer:
 
 
 def producer(expiry_s=60.0, transport=None):
-    return Producer(0, 2, 16, handshake(), expiry_s, transport=transport)
+    return Producer(handshake(), expiry_s, transport=transport)
 
 
 def fetch(p, reader="r1", token=TOKEN, lease_s=100.0):

@@ -1,6 +1,6 @@
 """Shard-aware decode (core/decode.py): per-rank partial attention over the
 owned blocks, merged by LSE, against attention over the whole sequence in
-float64 (tests/reference.py). The per-rank caches are filled the way vLLM
+float64 (harness/reference.py). The per-rank caches are filled the way vLLM
 writes them under DCP (its slot-mapping kernel, transcribed), so the test
 also pins that the owned-token counts and the shared virtual block table
 describe each rank's tokens. Negative controls: a corrupted owned block, and
@@ -9,7 +9,7 @@ token-interleaved counts (another layout), both change the result."""
 import pytest
 import torch
 
-from reference import attention, stored_at
+from harness.reference import attention, stored_at
 from vllm_cp_kv.core.decode import merge_by_lse, paged_attention_with_lse, query_token_lens
 from vllm_cp_kv.core import debug as core_debug
 from vllm_cp_kv.core.ownership import CPShardSpec, owned_token_count

@@ -39,7 +39,7 @@ import urllib.request
 import pytest
 
 from builders import free_port
-from conftest import CPU_ENV, ROOT, needs_vllm, run_generate
+from conftest import CPU_ENV, ROOT, harness_env, needs_vllm, run_generate
 from pd_support import FakePrefill, FakeRouter, pickled
 
 E2E = os.environ.get("VLLM_CP_KV_RUN_PD_E2E") == "1"
@@ -153,7 +153,9 @@ class Servers:
                                transport],
                     {**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind" if DECODE_TP == 1 else "0|1",
                      "TP": str(DECODE_TP), "ALLOWED_PREFILL_HOSTS": json.dumps(allowed),
-                     "VLLM_CP_KV_TEST_HOOKS": "1"})
+                     # the test hooks of the negative control and the kill
+                     # mid-transfer (scripts/gpu/onegpu/pd_hooks.py)
+                     **harness_env(CPKV_TEST_HOOKS="1")})
         self._start("proxy", [sys.executable, f"{EXAMPLES}/proxy.py", "--prefill",
                               f"http://127.0.0.1:{self.pp}", "--decode",
                               f"http://127.0.0.1:{self.dp}", "--port", str(self.xp)], env)

@@ -35,7 +35,7 @@ import sys
 import pytest
 
 from conftest import amx_available, needs_vllm, run_generate
-from reference import owned_counts
+from harness.reference import owned_counts
 
 pytestmark = needs_vllm
 SHORT = "200,260,330,400,470,540,610,700"

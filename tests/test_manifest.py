@@ -1,6 +1,6 @@
 """Transfer manifests: the union of (owned block, position) over all prefill
 ranks fills every position exactly once and rebuilds the layout vLLM's
-slot-mapping kernel (transcribed in tests/reference.py) writes (property
+slot-mapping kernel (transcribed in harness/reference.py) writes (property
 test over shard sizes and random block assignments), bad entries are
 refused, runs merge (read descriptors equal the brute-force maximal
 contiguous byte ranges)."""
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from reference import stored_at
+from harness.reference import stored_at
 from vllm_cp_kv.core.manifest import (ManifestError, Run, check_complete, merge_runs,
                                       owned_manifest, read_descriptors, validate_manifest)
 
@@ -38,7 +38,7 @@ def rebuild(manifests):
 
 def layout(table, num_blocks, size):
     """logical block -> (rank, physical block) of its first token, from
-    vLLM's slot mapping (tests/reference.py)."""
+    vLLM's slot mapping (harness/reference.py)."""
     out = {}
     for j in range(num_blocks):
         rank, slot = stored_at(j * BS, table, BS, size)

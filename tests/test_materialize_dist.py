@@ -2,7 +2,7 @@
 
 Each rank holds only its own cache; the full view it gathers must equal
 every token read from where vLLM's slot-mapping kernel stored it
-(tests/reference.py; the test can read every rank's cache because every
+(harness/reference.py; the test can read every rank's cache because every
 rank's random cache is seeded). Covers ragged batches,
 shared blocks, a rank that owns nothing in the batch and a one-token
 request, plus two negative controls: a corrupted owned block changes the
@@ -10,14 +10,12 @@ view at exactly that block, and a rank with another block table is caught
 by the debug plan check.
 """
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from builders import BS, make_batch, spawn_ranks, spec, view_of
-from reference import full_view, tokens_of
+from harness.reference import full_view, tokens_of
 from vllm_cp_kv.core import debug
 from vllm_cp_kv.core.materialize import all_gather_into_fn, gather
 from vllm_cp_kv.core.plan import plan_materialization

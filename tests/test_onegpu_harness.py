@@ -8,22 +8,18 @@ vLLM's own communicator: float32, CPU_MLA, greedy tokens and logprobs
 identical.
 """
 
-import os
-
-from conftest import ROOT, needs_vllm, run_generate
+from conftest import harness_env, needs_vllm, run_generate
 
 pytestmark = needs_vllm
 ARGS = ("--dtype", "float32", "--backend", "CPU_MLA", "--max-model-len", "1024",
         "--token-prompts", "30,200,500,700", "--max-tokens", "16", "--shard", "--stats")
-HARNESS = os.path.join(ROOT, "scripts", "gpu", "onegpu")
 
 
 def test_harness_communicator_matches_vllms(held_out, tmp_path):
     d = str(tmp_path)
     own = run_generate(held_out, d, "own", *ARGS)
-    harness = run_generate(held_out, d, "harness", *ARGS, env={
-        "ONEGPU_CPU_COMM": "1", "PYTHONPATH": os.pathsep.join(
-            p for p in (HARNESS, os.environ.get("PYTHONPATH")) if p)})
+    harness = run_generate(held_out, d, "harness", *ARGS,
+                           env=harness_env(ONEGPU_CPU_COMM="1"))
     # the harness's communicator served the TP and shard groups of both ranks
     lines = [ln for ln in harness["log"].splitlines() if "ONEGPU" in ln and " comm " in ln]
     assert any(" tp:" in ln for ln in lines) and any(" dcp:" in ln for ln in lines), lines

@@ -1,5 +1,5 @@
 """The ownership rule against vLLM's own code: a scalar transcription of
-vLLM's slot-mapping kernel (tests/reference.py) decides where every token
+vLLM's slot-mapping kernel (harness/reference.py) decides where every token
 lives, and vLLM's ``get_dcp_local_seq_lens`` how many tokens each rank holds.
 The package's rule (``j % N``, ``table[j // N]``) is never the reference.
 Negative control: the same checks reject token-interleaved DCP (vLLM's
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import needs_vllm
-from reference import owned_counts, stored_at, vllm_slot
+from harness.reference import owned_counts, stored_at, vllm_slot
 from vllm_cp_kv.core.ownership import (CPShardSpec, owned_slot_mapping,
                                        owned_token_count)
 

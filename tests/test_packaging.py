@@ -4,6 +4,7 @@ capacity figures against the engine's: tests/test_e2e_vllm.py)."""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,9 +13,15 @@ from conftest import ROOT
 
 
 def test_wheel_metadata(tmp_path):
+    # from a copy without the checkout's ignored build outputs: setuptools'
+    # build/lib keeps modules since deleted, which a clean checkout lacks
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".work", ".s[0-9][0-9]", "build", "*.egg-info", "__pycache__",
+        ".pytest_cache"))
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path), ROOT], capture_output=True, text=True, timeout=300)
+         "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     wheel = next(p for p in os.listdir(tmp_path) if p.endswith(".whl"))
     with zipfile.ZipFile(tmp_path / wheel) as z:
@@ -23,8 +30,14 @@ def test_wheel_metadata(tmp_path):
     assert re.search(r"\[vllm\.general_plugins\]\s*\ncp_kv = vllm_cp_kv:register", entry)
     assert re.search(r"\[console_scripts\]\s*\nvllm-cp-kv = vllm_cp_kv\.tools\.cli:main",
                      entry)
-    # the shipped package carries no test code
-    assert not [n for n in names if n.startswith("tests/")]
+    # the shipped package carries no test code: no tests, no harness (the
+    # vLLM driver, references, loopback owners), no P/D test hooks
+    assert not [n for n in names if n.startswith(("tests/", "harness/", "scripts/"))]
+    assert "vllm_cp_kv/tools/loopback.py" not in names
+    with zipfile.ZipFile(tmp_path / wheel) as z:
+        hooked = [n for n in names if n.endswith(".py")
+                  and re.search(rb"cp_kv_test_|TEST_HOOKS", z.read(n))]
+    assert not hooked, hooked
     assert "vllm_cp_kv/integration/plugin.py" in names
 
 

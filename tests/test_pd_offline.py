@@ -39,7 +39,9 @@ model config: layers x block size x 576 values x 4 bytes per block).
 Not here, and why: the negative control (dropping the logical positions must
 change the result) is asserted on the transferred bytes, NIXL and Mooncake,
 in tests/test_transfer_dist.py (seconds, not minutes); a P/D run with
-``--drop-positions`` is recorded in benchmarks/results/cpu-2026-11-30-pd-offline.
+the positions dropped (then ``--drop-positions``, now the decode test hook of
+scripts/gpu/onegpu/pd_hooks.py) is recorded in
+benchmarks/results/cpu-2026-11-30-pd-offline.
 """
 
 import json

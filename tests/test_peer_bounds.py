@@ -29,7 +29,8 @@ import pytest
 
 from builders import free_port
 from conftest import CPU_ENV, needs_vllm
-from pd_support import FakePrefill, FakeTransport, handshake, serve_ranks, skip_or_fail
+from pd_support import (FakePrefill, FakeTransport, handshake, serve_ranks, server_alive,
+                        skip_or_fail)
 
 try:
     import msgspec
@@ -207,7 +208,7 @@ def test_a_deeply_nested_message_is_a_refusal_and_one_log_line():
         mine = [r for r in handler.records if r.name == sc.logger.name]
         assert len(mine) <= 1 and not any(r.exc_info for r in mine), \
             [r.getMessage() for r in mine]
-        assert ranks[0].server.refused == 100 and ranks[0].server.alive()
+        assert ranks[0].server.refused == 100 and server_alive(ranks[0].server)
     finally:
         log.removeHandler(handler)
         sock.close()
@@ -308,12 +309,9 @@ def test_a_decode_beyond_loopback_without_allow_list_or_secret_refuses_to_start(
 
 DECODE = r"""
 import sys
-from vllm import LLM
-extra = {"transport": "nixl", "side_channel_host": "10.1.2.3"}
-LLM(model=sys.argv[1], max_model_len=512, enforce_eager=True,
-    kv_transfer_config={"kv_connector": "ShardedKVConnector",
-                        "kv_connector_module_path": "vllm_cp_kv.integration.connector",
-                        "kv_role": "kv_consumer", "kv_connector_extra_config": extra})
+from vllm_cp_kv.tools.offline import build_llm
+build_llm(sys.argv[1], max_model_len=512, kv_role="kv_consumer",
+          kv_extra={"transport": "nixl", "side_channel_host": "10.1.2.3"})
 print("STARTED", flush=True)
 """
 

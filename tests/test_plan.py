@@ -1,14 +1,14 @@
 """Materialization plan against an independent reference (one process;
 every rank's pack is computed here and concatenated as the all-gather
 would). The reference reads each token from where vLLM's slot-mapping
-kernel stored it (tests/reference.py), not through the ownership rule.
+kernel stored it (harness/reference.py), not through the ownership rule.
 Multi-process runs with real collectives are in test_materialize_dist.py."""
 
 import pytest
 import torch
 
 from builders import BS, make_batch, spec, view_of
-from reference import full_view, tokens_of
+from harness.reference import full_view, tokens_of
 from vllm_cp_kv.core import debug
 from vllm_cp_kv.core.materialize import ScratchPool, pack
 from vllm_cp_kv.core.plan import plan_materialization

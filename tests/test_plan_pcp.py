@@ -3,7 +3,7 @@ chunks of the same requests (vLLM's own DualChunkSwap split, taken from its
 ``PCPManager``), yet the gather is a collective, so every rank must derive
 the same plan (``plan_split_requests``), and each local row must see its
 own context through its translated table (checked against each token read
-from where vLLM's slot-mapping kernel stored it, tests/reference.py)."""
+from where vLLM's slot-mapping kernel stored it, harness/reference.py)."""
 
 import numpy as np
 import pytest
@@ -12,7 +12,7 @@ import torch
 from builders import BS, make_batch, spec
 from conftest import needs_vllm
 from vllm_cp_kv.core import debug
-from reference import full_view, tokens_of
+from harness.reference import full_view, tokens_of
 from vllm_cp_kv.core.plan import plan_split_requests
 
 pytestmark = needs_vllm

@@ -28,11 +28,9 @@ the per-query causal limit this run gave 8 of 8 identical prompts in wave 1
 and 0 of 8 in wave 2.
 """
 
-import os
-
 import pytest
 
-from conftest import ROOT, needs_vllm, run_generate
+from conftest import harness_env, needs_vllm, run_generate
 
 pytestmark = needs_vllm
 PROMPTS = "530,610,700,810,900,1000,1,40"  # the corrupted block (the lowest id) is a hit
@@ -53,10 +51,7 @@ def runs(held_out, tmp_path_factory):
     }
 
 
-SHIM = {"VLLM_CP_KV_DEBUG": "1", "CPKV_SHIM_DECODE_THRESHOLD": "64",
-        "PYTHONPATH": os.pathsep.join(p for p in (
-            os.path.join(ROOT, "scripts", "gpu", "onegpu"), os.environ.get("PYTHONPATH"))
-            if p)}
+SHIM = {"VLLM_CP_KV_DEBUG": "1", **harness_env(CPKV_SHIM_DECODE_THRESHOLD="64")}
 
 
 def test_sharded_run_keeps_prefix_caching_on(runs):

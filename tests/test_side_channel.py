@@ -31,8 +31,9 @@ import time
 import pytest
 
 from builders import free_port
-from pd_support import (FakeRouter, FakeTcpPeer, FakeTransport, handshake,
-                        mp_connection_frame, pickled, serve_ranks, skip_or_fail)
+from pd_support import (FakeRouter, FakeTcpPeer, FakeTransport, claimed, handshake,
+                        mp_connection_frame, pickled, serve_ranks, server_alive,
+                        skip_or_fail)
 
 try:
     import msgspec
@@ -100,7 +101,7 @@ def dealer(port):
 
 def test_a_correct_fetch_gets_the_manifest_of_the_ranks_owned_blocks(prefill):
     reply = fetch(prefill.port)
-    assert reply.manifest == [(0, 3), (2, 4)] and reply.handshake.rank == 0
+    assert reply.manifest == [(0, 3), (2, 4)] and reply.handshake.shard.rank == 0
     assert fetch(prefill.port + 1).manifest == [(1, 3)]
 
 
@@ -133,7 +134,7 @@ def test_a_pickled_payload_sent_to_the_prefill_runs_nothing(prefill, tmp_path):
     time.sleep(0.5)
     req.close()
     assert not marker.exists()
-    assert prefill.ranks[0].server.alive()
+    assert server_alive(prefill.ranks[0].server)
     assert fetch(prefill.port).manifest == [(0, 3), (2, 4)]  # still serving
 
 
@@ -208,7 +209,7 @@ def test_a_done_without_the_token_frees_and_releases_nothing(prefill):
         with pytest.raises(SideChannelError, match=NO_TRANSFER):
             release(prefill.port, token=token, reader="owner")
     assert rank0.take_finished() == set()
-    assert rank0.claimed("req-A")
+    assert claimed(rank0, "req-A")
     # even past its expiry (60 s) the claimed request is kept
     assert rank0.take_finished(now=time.monotonic() + 61) == {"req-B"}  # unclaimed: expired
     # the owner completes: done with the token frees it
@@ -258,6 +259,60 @@ def test_a_fetch_before_the_prefill_workers_know_the_request_is_retried(prefill)
     assert all(p.take_finished() == {"req-C"} for p in prefill.ranks)
 
 
+def test_the_pd_test_hooks_pause_between_ranks_and_drop_positions(prefill, monkeypatch):
+    """The decode's P/D test hooks (scripts/gpu/onegpu/pd_hooks.py, outside
+    the package; tests/test_disaggregated.py's negative control and kill
+    mid-transfer run them in a real decode): patched in here, a request
+    naming their keys pauses between the ranks' reads and gets its blocks
+    written in arrival order; a request without them pulls as before."""
+    import pickle
+    from types import SimpleNamespace
+
+    from conftest import HARNESS
+    from vllm_cp_kv.integration.connector import consumer as m
+    from vllm_cp_kv.integration.connector import params as params_module
+
+    monkeypatch.syspath_prepend(HARNESS)
+    import pd_hooks
+
+    for obj, name in ((m.Consumer, "receive"), (m, "check_complete"),
+                      (m, "read_owned_blocks")):
+        monkeypatch.setattr(obj, name, getattr(obj, name))  # restored afterwards
+    lines = []
+    monkeypatch.setattr(m, "logger", SimpleNamespace(info=lambda *a: lines.append(a[0] % a[1:])))
+    pd_hooks.patch_consumer(m)
+    scheduler = SimpleNamespace(check_params=params_module.check_params)
+    pd_hooks.patch_scheduler(scheduler)  # the scheduler's parse of the raw dict
+    raw = msgspec.structs.asdict(params_for(prefill.port))
+    hooked, error = scheduler.check_params(
+        dict(raw, cp_kv_test_pause_s=0.5, cp_kv_test_ignore_positions=True), NUM_TOKENS)
+    assert error is None and isinstance(hooked, pd_hooks.HookedParams)
+    assert pickle.loads(pickle.dumps(hooked)) == hooked  # to the worker processes
+    assert scheduler.check_params(dict(raw, cp_kv_test_pause_s=10 ** 6), NUM_TOKENS)[0] is None
+    plain = scheduler.check_params(dict(raw, remote_request_id="req-B", transfer_token=TB),
+                                   NUM_TOKENS)[0]
+    assert type(plain) is not pd_hooks.HookedParams
+    page, base = 1152 * 16, 1 << 20
+    transport = FakeTransport()
+    consumer = Consumer(handshake(rank=0, shard_size=1), transport, timeout_s=5, secret=None,
+                        tp_size=1)
+    t0 = time.monotonic()
+    consumer.receive("decode-hooked", [10, 11, 12], hooked)
+    assert time.monotonic() - t0 >= 0.5
+    assert [ln for ln in lines if "test hook" in ln] == [
+        "cp_kv connector: test hook: request decode-hooked read rank 0's blocks; pausing "
+        "0.5 s before rank 1's"]
+    # without positions: rank 0's blocks 0 and 2 land in slots 10 and 11 (one
+    # merged descriptor), rank 1's block 1 in slot 12
+    assert transport.reads[0][1][0] == (base + 3 * page, base + 10 * page, 2 * page)
+    assert transport.reads[1][1][0] == (base + 3 * page, base + 12 * page, page)
+    transport.reads.clear()
+    consumer.receive("decode-plain", [10, 11, 12], plain)
+    assert sum("test hook" in ln for ln in lines) == 1  # no pause
+    assert transport.reads[0][1][:2] == [(base + 3 * page, base + 10 * page, page),
+                                         (base + 4 * page, base + 12 * page, page)]
+
+
 def test_a_handshake_mismatch_moves_nothing(prefill):
     transport = FakeTransport()
     consumer = Consumer(handshake(rank=0, shard_size=1, block_size=32), transport, timeout_s=5,
@@ -265,7 +320,7 @@ def test_a_handshake_mismatch_moves_nothing(prefill):
     with pytest.raises(Exception, match="handshake mismatch"):
         consumer.receive("decode-req", [10, 11, 12], params_for(prefill.port, block_size=32))
     assert transport.reads == []
-    assert not prefill.ranks[0].claimed("req-A")  # the failed pull released its claim
+    assert not claimed(prefill.ranks[0], "req-A")  # the failed pull released its claim
     assert prefill.ranks[0].take_finished() == set()  # but freed nothing
 
 
@@ -357,7 +412,7 @@ def test_fuzzed_messages_leave_the_server_answering(prefill):
         big.send_multipart([b"\x00" * size, b""])
         time.sleep(0.2)
         big.close()
-    assert rank0.server.alive()
+    assert server_alive(rank0.server)
     assert fetch(prefill.port, timeout=5).manifest == [(0, 3), (2, 4)]
     assert rank0.take_finished() == set()  # nothing freed by the noise
     assert time.monotonic() - t0 < 60

@@ -32,11 +32,12 @@ def wrapped(monkeypatch):
         return "topk"
 
     full = torch.full((4, 64, 132), 7, dtype=torch.uint8)
-    runtime = SimpleNamespace(materialize=lambda plan, cache: full)
-    monkeypatch.setattr(sparse, "get_runtime", lambda block_size: runtime)
+    layers = []  # the layer name each full view is keyed by
+    runtime = SimpleNamespace(
+        materialize=lambda plan, cache, layer: layers.append(layer) or full)
     monkeypatch.setattr(sparse, "_write_owned",
                         lambda k, md, cache, a: writes.append((k, md, cache)))
-    return sparse.sharded_indexer_op(recorder), calls, writes, full
+    return sparse.sharded_indexer_op(recorder), calls, writes, full, runtime, layers
 
 
 def _args(cache, skip_insert):
@@ -60,14 +61,15 @@ def _context(monkeypatch, metadata):
 
 @pytest.mark.parametrize("skip_insert", [True, False])  # TP; PCP inserts in the op
 def test_sharded_batch_runs_the_op_on_the_full_view(wrapped, monkeypatch, skip_insert):
-    op, calls, writes, full = wrapped
+    op, calls, writes, full, runtime, layers = wrapped
     persistent = torch.zeros(8, 64, 132, dtype=torch.uint8)
-    md = SimpleNamespace(cp_kv=SimpleNamespace(plan=object()))
+    md = SimpleNamespace(cp_kv=SimpleNamespace(plan=object(), runtime=runtime))
     _context(monkeypatch, {"layer.0.k_cache": md})
     args, kwargs = _args(persistent, skip_insert)
     assert op(*args, **kwargs) == "topk"
     (_, got), = calls
     assert got["kv_cache"] is full  # the materialized view, not the cache
+    assert layers == ["layer.0.k_cache"]  # keyed by the indexer cache's layer
     assert got["skip_k_cache_insert"] is True
     assert (got["dcp_world_size"], got["dcp_rank"]) == (1, 0)
     assert got["topk_tokens"] == 512 and got["skip_topk_buffer_clear"] is True
@@ -77,7 +79,7 @@ def test_sharded_batch_runs_the_op_on_the_full_view(wrapped, monkeypatch, skip_i
 
 
 def test_without_a_plan_the_op_is_vllms(wrapped, monkeypatch):
-    op, calls, writes, _ = wrapped
+    op, calls, writes, *_ = wrapped
     persistent = torch.zeros(8, 64, 132, dtype=torch.uint8)
     args, kwargs = _args(persistent, False)
     no_plan = SimpleNamespace(cp_kv=SimpleNamespace(plan=None))  # nothing to gather

@@ -212,9 +212,24 @@ def test_row_interleave_vs_platform_block_size(tiny_dsv2):
                cp_kv_cache_interleave_size=8)
 
 
-def test_row_spec_decode(tiny_dsv2):
-    expect_row("spec-decode", tiny_dsv2, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+def test_row_spec_method(tiny_dsv2):
+    expect_row("spec-method", tiny_dsv2, speculative_config={
+        "method": "suffix", "num_speculative_tokens": 2})
+    expect_row("spec-method", tiny_dsv2, speculative_config={
+        "model": tiny_dsv2, "num_speculative_tokens": 2})  # a draft model
+
+
+def test_row_spec_gpu(tiny_dsv2, monkeypatch):
+    from vllm_cp_kv.integration import checks
+
+    monkeypatch.setattr(checks, "_on_gpu", lambda: True)
+    with pytest.raises(ValueError) as info:
+        checks.check_speculative({"method": "mtp", "num_speculative_tokens": 1})
+    assert any(m in str(info.value) for m in DOC["spec-gpu"])
+    monkeypatch.setattr(checks, "_on_gpu", lambda: False)
+    for method in ("mtp", "deepseek_mtp", "ngram"):  # allowed on CPU
+        checks.check_speculative({"method": method, "num_speculative_tokens": 1})
+    checks.check_speculative('{"method": "mtp", "num_speculative_tokens": 1}')  # CLI JSON
 
 
 def test_row_worker_cls(tiny_dsv2):

@@ -10,7 +10,7 @@ four ranks (debug switch), and every rank wrote exactly the tokens it owns
 (from vLLM's slot-mapping kernel, transcribed)."""
 
 from conftest import needs_vllm, run_generate
-from reference import owned_counts
+from harness.reference import owned_counts
 
 pytestmark = needs_vllm
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}

@@ -19,7 +19,7 @@ from vllm_cp_kv.core.manifest import (check_complete, merge_runs, owned_manifest
                                       validate_manifest, without_positions)
 from vllm_cp_kv.core.ownership import num_logical_blocks
 from pd_support import skip_or_fail
-from vllm_cp_kv.tools.loopback import owner_processes, serve_until_done, transport_available
+from harness.loopback import owner_processes, serve_until_done, transport_available
 
 N, BS, D, LAYERS = 2, 16, 576, 2
 NUM_TOKENS = 21 * BS + 5  # 22 logical blocks

@@ -9,8 +9,11 @@ tokens. For logical block ``j`` of a request (tokens ``[j*bs, (j+1)*bs)``)::
     table_index(j)  = j // shard_size        # column of the virtual block table
     physical id     = block_table[req, table_index(j)]   # on rank owner(j)
 
-Pure and stateless: scheduler, writer, materializer and connectors all call
-these functions; none recomputes ownership inline. Because owners are exactly
+Pure and stateless: the planner, the materializer, the decode's owned
+counts, the CPU slot mapping and the connectors call these functions; none
+recomputes ownership inline. vLLM's scheduler and its GPU slot-mapping
+kernel keep vLLM's own DCP layout, which equals this rule with
+``cp_kv_cache_interleave_size == block_size`` (pinned by the plugin). Because owners are exactly
 cyclic, per-rank block counts of one request differ by at most one, so N ranks
 give N times the logical capacity.
 """
@@ -22,6 +25,9 @@ from dataclasses import dataclass
 import torch
 
 
+CYCLIC = "cyclic"  # the one ownership rule: owner(j) = j % size
+
+
 @dataclass(frozen=True)
 class CPShardSpec:
     """Everything both sides of a transfer need to reproduce the layout."""
@@ -29,7 +35,7 @@ class CPShardSpec:
     rank: int  # this rank's index in the shard group
     size: int  # ranks in the shard group (N)
     block_size: int  # tokens per logical (kernel-visible) block
-    rule: str = "cyclic"  # owner(j) = j % size
+    rule: str = CYCLIC  # owner(j) = j % size
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -38,7 +44,7 @@ class CPShardSpec:
                 f"size={self.size}.")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
-        if self.rule != "cyclic":
+        if self.rule != CYCLIC:
             raise ValueError(f"only the 'cyclic' rule exists, got {self.rule!r}.")
 
     def owner_of(self, logical_blocks: torch.Tensor) -> torch.Tensor:

@@ -19,14 +19,12 @@ where ``P = max_r(#blocks rank r sends)``; ranks with fewer blocks pad with
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-import itertools
+from dataclasses import dataclass
 
 import torch
 
 from .ownership import CPShardSpec
 
-_epochs = itertools.count()
 # (owner, physical block) sort key: owner * stride + block; ids are int32
 _KEY_STRIDE = 1 << 32
 
@@ -44,7 +42,6 @@ class MaterializationPlan:
             index of every logical block read by each request (0 past the
             request's last block).
         num_logical_blocks: ``[R]`` int64, logical blocks read per request.
-        epoch: unique id; lets run-time checks reject a stale plan.
     """
 
     spec: CPShardSpec
@@ -52,7 +49,6 @@ class MaterializationPlan:
     num_send_blocks: torch.Tensor
     full_block_table: torch.Tensor
     num_logical_blocks: torch.Tensor
-    epoch: int = field(default_factory=lambda: next(_epochs))
 
     @property
     def blocks_per_rank(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from vllm.logger import init_logger
 
+from .geometry import shard_group_size
 from .options import CPKVOptions
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
@@ -22,15 +23,6 @@ logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
 class CPKVConfigError(ValueError):
     """A configuration the cp_kv plugin cannot run."""
-
-
-def shard_group_size(tp: int, pcp: int) -> int:
-    """The KV shard group: PCP when > 1 (with TP 1), else TP.
-
-    Either way it becomes vLLM's DCP group (``decode_context_parallel_size``),
-    which vLLM 0.32 lets span the TP axis, or the PCP axis when PCP > 1.
-    """
-    return pcp if pcp > 1 else tp
 
 
 def _on_gpu() -> bool:
@@ -88,9 +80,7 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             f"--block-size={args.block_size}; block ownership needs them equal. "
             "Remove --cp-kv-cache-interleave-size (cp_kv sets it).")
     if args.speculative_config:
-        raise CPKVConfigError(
-            "cp_kv: speculative decoding is not supported with sharded KV; "
-            "remove --speculative-config or disable cp_kv.")
+        check_speculative(args.speculative_config)
     check_hisparse(args.attention_config)
     # Before vLLM's own DCP validation, which would reject a non-MLA model
     # with a message that does not mention cp_kv.
@@ -106,6 +96,34 @@ def check_engine_args(args, options: CPKVOptions) -> None:
     args.decode_context_parallel_size = size
     if not _on_gpu():
         derive_torch_rope(args.compilation_config)
+
+
+# Speculative methods that run with sharded KV: DeepSeek MTP (its draft
+# layer's latent KV is sharded like the target's; plugin.py item 14) and
+# n-gram lookup (no draft model); verification rows of 1 + k tokens are
+# decode rows of the shard-aware decode (decode.py).
+SPECULATIVE_METHODS = ("mtp", "deepseek_mtp", "ngram")
+
+
+def check_speculative(speculative_config) -> None:
+    """``--speculative-config``: a method that runs with sharded KV, on the
+    platform where it was built and tested (CPU, vLLM's V1 model runner; on
+    GPU vLLM's V2 runner drafts through its own speculator)."""
+    spec = speculative_config
+    if isinstance(spec, str):
+        import json
+
+        spec = json.loads(spec)
+    method = str(spec.get("method") or spec.get("model") or "")
+    if method not in SPECULATIVE_METHODS:
+        raise CPKVConfigError(
+            f"cp_kv: speculative method {method!r} is not supported with sharded KV; "
+            "use \"mtp\" (DeepSeek MTP) or \"ngram\", or disable cp_kv.")
+    if _on_gpu():
+        raise CPKVConfigError(
+            "cp_kv: speculative decoding with sharded KV runs on CPU (vLLM's V1 model "
+            "runner) in this release, not yet through the GPU runner's speculator; "
+            "remove --speculative-config or disable cp_kv on GPU.")
 
 
 GRAPH_MODES = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE")

@@ -33,7 +33,7 @@ from vllm.v1.worker.gpu.pcp_manager import PCPManager
 from ..core.last_token import (full_bytes, gather_sampled_rows, narrow_bytes,
                                plan_sampled_rows)
 from .options import debug_enabled
-from .runtime import current_runtime, make_all_gather_into
+from .runtime import make_all_gather_into
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
@@ -42,6 +42,10 @@ class LastTokenPCPManager(PCPManager):
     """``PCPManager`` whose ``restore_for_sampling`` moves only sampled rows."""
 
     narrow_gather = True  # cp_kv.last_token_gather
+
+    def cp_kv_runtime(self):
+        """The worker's ShardRuntime (its metrics), where the runner has one."""
+        return None
 
     def full_gather_reason(self, input_batch, aux_hidden_states) -> str | None:
         """Why this batch needs every row (``None``: narrow is enough).
@@ -97,7 +101,7 @@ class LastTokenPCPManager(PCPManager):
         if getattr(batch, "has_prefill", False):
             stats["prefill_steps"] += 1
             stats["prefill_bytes_saved"] += full - moved
-        runtime = current_runtime()
+        runtime = self.cp_kv_runtime()
         if runtime is not None and runtime.metrics is not None:
             runtime.metrics.observe_last_token(full - moved)
 
@@ -120,5 +124,8 @@ def bound_manager_cls(runner, base: type | None = None) -> type:
         def full_gather_reason(self, input_batch, aux_hidden_states):
             return (super().full_gather_reason(input_batch, aux_hidden_states)
                     or runner_full_gather_reason(runner, input_batch))
+
+        def cp_kv_runtime(self):
+            return getattr(runner, "cp_kv_runtime", None)
 
     return RunnerBoundPCPManager

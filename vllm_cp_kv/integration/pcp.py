@@ -10,7 +10,7 @@ over the PCP group needs, and :func:`make_runner_cls` selects it through
   (vLLM's PCP path) and writes only the rows it owns.
 * **Plan.** Ranks run different chunks of each prefill, but the full-view
   gather is a collective: each step the manager records the global batch
-  (:class:`~vllm_cp_kv.integration.runtime.PCPStep`) so that every rank's
+  (:class:`~vllm_cp_kv.integration.planning.PCPStep`) so that every rank's
   metadata builder derives the same plan.
 * **MoE padding.** Under PCP vLLM's MoE layers route the PCP-gathered tokens
   but read the rank-local padding mask (vLLM 0.32: ``topk_softmax ...
@@ -18,9 +18,11 @@ over the PCP group needs, and :func:`make_runner_cls` selects it through
   step's context and the plugin hands it to the forward context
   (``plugin.patch_forward_context``).
 
-Both records go into the step's
-:class:`~vllm_cp_kv.integration.runtime.BatchContext`, which the worker opens
-for each ``execute_model``.
+Both records go into the open step's
+:class:`~vllm_cp_kv.integration.planning.BatchContext`, which the worker opens
+for each ``execute_model`` and :class:`make_runner_cls`'s runner for each of
+vLLM's dummy runs (``ShardRuntime.step``); the manager never opens or
+closes one.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ import torch
 
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
+from . import plugin
 from .last_token import LastTokenPCPManager, bound_manager_cls
 from .options import options_of
-from .runtime import PCPStep, current_runtime
+from .planning import PCPStep
 
 
 def rank_token_counts(manager: PCPManager, num_scheduled, is_prefilling) -> list[int]:
@@ -51,26 +54,21 @@ class CPKVPCPManager(LastTokenPCPManager):
 
     @staticmethod
     def validate_config(vllm_config, supports_mm_inputs: bool) -> None:
-        parallel = vllm_config.parallel_config
         if not options_of(vllm_config).kv_sharding:
             return PCPManager.validate_config(vllm_config, supports_mm_inputs)
         # vLLM refuses PCP + DCP for dense MLA because its LSE-merging
         # prefill sizes collectives per rank (vllm#53573); sharded ranks
         # read a materialized full view instead, so run vLLM's other checks
-        # with DCP hidden.
-        dcp = parallel.decode_context_parallel_size
-        parallel.decode_context_parallel_size = 1
-        try:
+        # as if DCP were off (plugin.py, item 8).
+        with plugin.unsharded_view(vllm_config):
             PCPManager.validate_config(vllm_config, supports_mm_inputs)
-        finally:
-            parallel.decode_context_parallel_size = dcp
 
     def partition_batch(self, input_batch, batch_desc):
         local = super().partition_batch(input_batch, batch_desc)
-        runtime = current_runtime()
-        if runtime is None:  # before the first sharded build: nothing to share
+        runtime = self.cp_kv_runtime()
+        if runtime is None:  # vLLM's profile run, before the worker made it
             return local
-        batch = runtime.new_batch()  # a new batch, also for vLLM's dummy runs
+        batch = runtime.batch()  # the open step (the worker's, or a dummy run's)
         g = self.global_batch
         n = g.num_reqs
         sched = np.asarray(g.num_scheduled_tokens)
@@ -85,22 +83,26 @@ class CPKVPCPManager(LastTokenPCPManager):
         batch.padding = (local.is_padding, mask.to(self.device, non_blocking=True))
         return local
 
-    def restore_for_sampling(self, hidden_states, aux_hidden_states):
-        runtime = current_runtime()
-        if runtime is not None:
-            runtime.end_batch()  # the batch's forward is over
-        return super().restore_for_sampling(hidden_states, aux_hidden_states)
-
 
 def make_runner_cls():
-    """vLLM's V2 GPU model runner selecting :class:`CPKVPCPManager`."""
+    """vLLM's V2 GPU model runner selecting :class:`CPKVPCPManager`, and
+    opening the runtime's step around vLLM's dummy runs (as the worker does
+    around ``execute_model``), so that their builds share one batch."""
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     class CPKVModelRunner(GPUModelRunner):
+        cp_kv_runtime = None  # the worker's ShardRuntime, once made
+
         @property
         def pcp_manager_cls(self):
             cls = bound_manager_cls(self, CPKVPCPManager)
             cls.narrow_gather = options_of(self.vllm_config).last_token_gather
             return cls
+
+        def _dummy_run(self, *args, **kwargs):
+            if self.cp_kv_runtime is None:
+                return super()._dummy_run(*args, **kwargs)
+            with self.cp_kv_runtime.step(count=False):
+                return super()._dummy_run(*args, **kwargs)
 
     return CPKVModelRunner

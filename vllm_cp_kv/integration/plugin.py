@@ -5,8 +5,8 @@ point). Every rebinding below is inert unless the running config has
 ``additional_config={"cp_kv": {"enable": true}}`` (item 7: unless the cp_kv
 connector is configured); installed but not enabled, the plugin changes
 nothing. Other modules build wrapped classes or functions and this module
-installs them; item 7's wrapper is assigned by
-``connector.params.patch_input_processor``, called only from here.
+installs them; nothing outside this module assigns to vLLM's modules,
+classes or config.
 
 =====  ===============================================  ==========  =========
 no.    target (vLLM 0.32)                               installed   scope
@@ -26,7 +26,20 @@ no.    target (vLLM 0.32)                               installed   scope
        ``deepseek_v32.attention.sparse_attn_indexer``
 11     ``triton_mla.decode_attention_fwd``              ``with``    scoped
                                                         block
+12     the DCP fields vLLM's ``AttentionImplBase``      impl init,  per impl
+       sets (``dcp_world_size``, ``dcp_rank``,          ``with``    or block
+       ``total_cp_*``, ``need_to_return_lse_...``)      block
+13     ``dcp_world_size`` of vLLM's MLA builders        ``with``    scoped
+                                                        block
+14     the drafter's ``SpecDecodeBaseProposer``:        worker      sharded
+       ``build_per_group_and_layer_attn_metadata``,                 drafts
+       ``_update_positions_dependent_metadata``
 =====  ===============================================  ==========  =========
+
+``REGISTRY`` below lists the same targets as data; ``vllm-cp-kv compat``
+(``tools/compat.py``) resolves every one of them against the installed vLLM
+and says what moved. "worker": installed by :func:`register_worker`, which
+the sharded worker calls once when it starts.
 
 Why each is needed:
 
@@ -71,6 +84,24 @@ Why each is needed:
     rank's partial output in the LSE merge (measured on one H200: the debug
     check failed by that much). Around the shard-aware decode call only,
     the kernel writes a float32 LSE (:func:`float32_decode_lse`).
+12. A sharded impl reports DCP off to its ``MLAAttention`` layer, so that
+    the layer neither all-gathers queries nor merges (the impl reads a full
+    view or merges itself: :func:`impl_reports_unsharded`); around the
+    shard-aware decode call its kernel returns the LSE
+    (:func:`impl_returns_decode_lse`).
+13. vLLM's MLA builders size decode metadata and workspaces for
+    ``num_heads * dcp_world_size`` query heads; the sharded builder (made
+    with DCP off) sizes them for the gathered heads of the TP shard group
+    within :func:`builder_heads_of`.
+14. Speculative decoding (MTP): vLLM's drafter runs its forwards in the
+    step's ``sample_tokens``, each with a batch of its own, so each starts a
+    new forward of the step (the plans of the last do not apply); and for
+    its chained draft steps it computes the new tokens' slots as for an
+    unsharded cache (``block_table[pos // block_size]``), which under the
+    sharded layout would write the draft layer's KV to the wrong slot on
+    every rank: those slots are recomputed owner-only with vLLM's DCP
+    arithmetic (``core.ownership.owned_slot_mapping``, the same as for the
+    target's tokens). Inert for drafters whose layers are not sharded.
 """
 
 from __future__ import annotations
@@ -78,6 +109,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+from dataclasses import dataclass
 
 from vllm.logger import init_logger
 
@@ -175,7 +207,7 @@ def _patch_backend_selector() -> None:
             check_sparse_backend(cls.get_name())
         check_decode_backend(cls, current_platform.is_cuda_alike(),
                              lse_decode_enabled(vllm_config, attn_selector_config.use_sparse))
-        return sharded_backend(cls, unsharded_view, float32_decode_lse)
+        return sharded_backend(cls)
 
     selector._cached_get_attn_backend = cached_get_attn_backend
 
@@ -252,11 +284,25 @@ def _patch_cpu_slot_mapping() -> None:
 
 # -- 7 ----------------------------------------------------------------------
 def _patch_input_processor() -> None:
-    try:
-        from .connector.params import patch_input_processor
-    except ImportError:  # the connector package predates the hook
+    """Why there: it runs in the frontend before the request reaches the
+    engine, and vLLM maps its ``VLLMValidationError`` to HTTP 400 with the
+    message; a connector has no other way to refuse a request with a reason."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from .connector.params import check_request_params
+
+    orig = InputProcessor._validate_params
+    if getattr(orig, "_cp_kv", False):
         return
-    patch_input_processor()
+
+    @functools.wraps(orig)
+    def _validate_params(self, params, *args, **kwargs):
+        result = orig(self, params, *args, **kwargs)
+        check_request_params(self.vllm_config, params)
+        return result
+
+    _validate_params._cp_kv = True
+    InputProcessor._validate_params = _validate_params
 
 
 # -- 8 ----------------------------------------------------------------------
@@ -285,7 +331,7 @@ def unsharded_view(vllm_config):
     kernels read a complete materialized view (prefill) or merge their
     partial decode outputs themselves, so all of them must initialize
     exactly as unsharded; the shard-aware decode then lowers the decode
-    threshold itself (``backend.decode_threshold``: a short prefill reads
+    threshold itself (``decode.decode_threshold``: a short prefill reads
     the full view, as vLLM's DCP sends it to the prefill path).
     """
     parallel = vllm_config.parallel_config
@@ -312,8 +358,6 @@ def patch_forward_context() -> None:
     _WORKER_PATCHES.add("forward_context")
     from vllm.v1.worker.gpu import model_runner
 
-    from .runtime import current_runtime
-
     orig = model_runner.set_forward_context
 
     @functools.wraps(orig)
@@ -321,10 +365,14 @@ def patch_forward_context() -> None:
                             **kwargs):
         pcp = vllm_config.parallel_config.prefill_context_parallel_size
         if is_padding is not None and pcp > 1 and _enabled(vllm_config):
-            runtime = current_runtime()
-            recorded = runtime.batch().padding if runtime is not None else None
-            if recorded is not None and recorded[0] is is_padding:
-                is_padding = recorded[1]
+            recorded = _recorded_padding(attn_metadata)
+            if recorded is not None:
+                local, gathered = recorded
+                if local.shape != is_padding.shape:
+                    raise RuntimeError(
+                        f"cp_kv: the PCP step recorded a padding mask of {local.shape} "
+                        f"tokens, the forward has {is_padding.shape}; stale step state.")
+                is_padding = gathered
             else:
                 # dummy and profile runs are identical on every rank
                 is_padding = is_padding.repeat(pcp)
@@ -332,6 +380,18 @@ def patch_forward_context() -> None:
                     **kwargs)
 
     model_runner.set_forward_context = set_forward_context
+
+
+def _recorded_padding(attn_metadata):
+    """The padding masks the PCP manager recorded in this forward's step
+    (reached through the batch plan on the sharded layers' metadata)."""
+    groups = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
+    for group in groups:
+        for md in (group or {}).values():
+            made = getattr(md, "cp_kv", None)
+            if made is not None:
+                return made.batch.padding
+    return None
 
 
 # -- 10 ---------------------------------------------------------------------
@@ -351,7 +411,7 @@ def patch_sparse_indexer() -> None:
 
     @functools.wraps(orig_backend)
     def get_attn_backend(self):
-        return sharded_indexer_backend(orig_backend(self), unsharded_view)
+        return sharded_indexer_backend(orig_backend(self))
 
     DeepseekV32IndexerCache.get_attn_backend = get_attn_backend
 
@@ -378,6 +438,174 @@ def float32_decode_lse():
         yield box
     finally:
         triton_mla.decode_attention_fwd = orig
+
+
+# -- 12, 13 -----------------------------------------------------------------
+def impl_reports_unsharded(impl) -> None:
+    """Item 12: the DCP fields vLLM's ``AttentionImplBase`` set on a sharded
+    impl, as with DCP off (its layer must not gather queries or merge)."""
+    impl.dcp_world_size, impl.dcp_rank = 1, 0
+    impl.total_cp_world_size, impl.total_cp_rank = 1, 0
+    impl.need_to_return_lse_for_decode = False
+
+
+@contextlib.contextmanager
+def impl_returns_decode_lse(impl):
+    """Item 12: within the block, the impl's decode kernel returns its LSE."""
+    impl.need_to_return_lse_for_decode = True
+    try:
+        yield
+    finally:
+        impl.need_to_return_lse_for_decode = False
+
+
+@contextlib.contextmanager
+def builder_heads_of(builder, ranks: int):
+    """Item 13: within the block, vLLM's builder sizes decode metadata and
+    workspaces for the heads of ``ranks`` ranks (``num_heads *
+    dcp_world_size``; the sharded builder initialized with DCP off)."""
+    saved, builder.dcp_world_size = builder.dcp_world_size, ranks
+    try:
+        yield
+    finally:
+        builder.dcp_world_size = saved
+
+
+# -- 14 ---------------------------------------------------------------------
+def patch_drafter() -> None:
+    """Speculative decoding with sharded draft layers (item 14)."""
+    if "drafter" in _WORKER_PATCHES:
+        return
+    _WORKER_PATCHES.add("drafter")
+    import torch
+    from vllm.v1.spec_decode import llm_base_proposer as lbp
+    from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
+
+    from ..core.ownership import owned_slot_mapping
+    from .runtime import runtime_of_layers
+
+    proposer = lbp.SpecDecodeBaseProposer
+
+    def runtime_of(self):
+        names = [n for group in getattr(self, "draft_attn_groups", None) or ()
+                 for n in group.layer_names]
+        runtime = runtime_of_layers(self.vllm_config, names)
+        return runtime if runtime is not None and runtime.spec.size > 1 else None
+
+    orig_build = proposer.build_per_group_and_layer_attn_metadata
+
+    @functools.wraps(orig_build)
+    def build_per_group_and_layer_attn_metadata(self, common_attn_metadata, *args, **kwargs):
+        runtime = runtime_of(self)
+        if runtime is not None:
+            runtime.new_forward()
+        return orig_build(self, common_attn_metadata, *args, **kwargs)
+
+    orig_update = proposer._update_positions_dependent_metadata
+
+    @functools.wraps(orig_update)
+    def update_positions(self, positions, common_attn_metadata, batch_size,
+                         input_batch_size, block_size):
+        out = orig_update(self, positions, common_attn_metadata, batch_size,
+                          input_batch_size, block_size)
+        runtime = runtime_of(self)
+        if runtime is not None:
+            spec, slots = runtime.spec, common_attn_metadata.slot_mapping
+            pos = (out[0] if self.uses_mrope else out)[:batch_size].long()
+            rows = torch.arange(batch_size, device=pos.device)
+            owned = owned_slot_mapping(pos, rows, common_attn_metadata.block_table_tensor,
+                                       block_size, spec.size, spec.rank, spec.block_size,
+                                       PADDING_SLOT_ID)
+            # past max_model_len vLLM wrote the padding slot: keep it
+            slots.copy_(torch.where(slots == PADDING_SLOT_ID, slots, owned))
+        return out
+
+    proposer.build_per_group_and_layer_attn_metadata = build_per_group_and_layer_attn_metadata
+    proposer._update_positions_dependent_metadata = update_positions
+
+
+def register_worker(vllm_config, v2_runner: bool) -> None:
+    """Items 9, 10 and 14 where they apply: called once by the sharded
+    worker before vLLM builds its model runner and model."""
+    if v2_runner:
+        patch_forward_context()
+    if _sharding(vllm_config) and getattr(vllm_config.model_config.hf_text_config,
+                                          "index_topk", None):
+        patch_sparse_indexer()
+    if _sharding(vllm_config) and vllm_config.speculative_config is not None:
+        patch_drafter()
+
+
+@dataclass(frozen=True)
+class Rebinding:
+    """One registry item: the vLLM names it rebinds or relies on.
+
+    ``targets``: ``"module:qualified.name"`` each; ``params``: parameters
+    of the first target the wrapper passes by name; ``assigns``: instance
+    fields the first target (a class) must assign as ``self.<name> =`` in
+    its source; ``optional``: targets that may be absent (other runners)."""
+
+    no: int
+    targets: tuple[str, ...]
+    params: tuple[str, ...] = ()
+    assigns: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+
+
+_MLA = "vllm.model_executor.layers.attention.mla_attention"
+REGISTRY = (
+    Rebinding(1, ("vllm.engine.arg_utils:EngineArgs.create_engine_config",),
+              params=("usage_context", "headless")),
+    Rebinding(2, ("vllm.platforms.interface:Platform.check_and_update_config",
+                  "vllm.config.parallel:ParallelConfig.worker_cls",
+                  "vllm.config.cache:CacheConfig.enable_prefix_caching"),
+              params=("vllm_config",)),
+    Rebinding(3, ("vllm.platforms.interface:Platform.update_block_size_for_backend",
+                  "vllm.config.parallel:ParallelConfig.cp_kv_cache_interleave_size"),
+              params=("vllm_config",)),
+    Rebinding(4, ("vllm.v1.attention.selector:_cached_get_attn_backend",
+                  "vllm.v1.attention.selector:AttentionSelectorConfig.use_dcp",
+                  "vllm.v1.attention.selector:AttentionSelectorConfig.use_mla",
+                  "vllm.v1.attention.selector:AttentionSelectorConfig.use_sparse"),
+              params=("backend", "attn_selector_config")),
+    Rebinding(5, ("vllm.v1.worker.cp_utils:check_attention_cp_compatibility",),
+              params=("vllm_config",),
+              optional=("vllm.v1.worker.gpu_model_runner:check_attention_cp_compatibility",
+                        "vllm.v1.worker.gpu.model_runner:check_attention_cp_compatibility")),
+    Rebinding(6, ("vllm.utils.cpu_triton_utils:_compute_slot_mapping_kernel_impl",),
+              params=("num_tokens", "max_num_tokens", "query_start_loc", "positions",
+                      "block_table", "block_table_stride", "slot_mapping",
+                      "KV_CACHE_BLOCK_SIZE", "TOTAL_CP_WORLD_SIZE", "TOTAL_CP_RANK",
+                      "CP_KV_CACHE_INTERLEAVE_SIZE", "PAD_ID", "BLOCK_SIZE")),
+    Rebinding(7, ("vllm.v1.engine.input_processor:InputProcessor._validate_params",
+                  "vllm.exceptions:VLLMValidationError"),
+              params=("params",)),
+    Rebinding(8, (f"{_MLA}:get_dcp_group",
+                  "vllm.model_executor.layers.attention.sparse_mla_attention:get_dcp_group",
+                  "vllm.v1.attention.backends.mla.indexer:get_dcp_group",
+                  "vllm.config.parallel:ParallelConfig.decode_context_parallel_size")),
+    Rebinding(9, ("vllm.v1.worker.gpu.model_runner:set_forward_context",
+                  "vllm.v1.worker.gpu.model_runner:GPUModelRunner.pcp_manager_cls"),
+              params=("attn_metadata", "vllm_config", "is_padding")),
+    Rebinding(10, ("vllm.model_executor.models.deepseek_v2:"
+                   "DeepseekV32IndexerCache.get_attn_backend",
+                   "vllm.models.deepseek_v32.attention:sparse_attn_indexer")),
+    Rebinding(11, ("vllm.v1.attention.backends.mla.triton_mla:decode_attention_fwd",),
+              params=("q", "k_buffer", "v_buffer", "o", "lse")),
+    Rebinding(12, ("vllm.v1.attention.backend:AttentionImplBase.__new__",),
+              assigns=("dcp_world_size", "dcp_rank", "total_cp_world_size",
+                       "total_cp_rank", "need_to_return_lse_for_decode")),
+    Rebinding(13, (f"{_MLA}:MLACommonMetadataBuilder.__init__",
+                   f"{_MLA}:MLACommonMetadataBuilder._build_decode"),
+              assigns=("dcp_world_size",)),
+    Rebinding(14, ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer."
+                   "_update_positions_dependent_metadata",
+                   "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer."
+                   "build_per_group_and_layer_attn_metadata",
+                   "vllm.v1.spec_decode.utils:PADDING_SLOT_ID"),
+              params=("positions", "common_attn_metadata", "batch_size",
+                      "input_batch_size", "block_size")),
+)
 
 
 def register() -> None:

@@ -10,7 +10,7 @@ pick each query's top-k tokens). Both are written owner-only through vLLM's
 DCP slot mapping, so each rank stores only the blocks it owns. Here:
 
 * the indexer's metadata builder takes the batch plan the latent's builder
-  made (:func:`~vllm_cp_kv.integration.backend.plan_batch`, one per batch)
+  made (:func:`~vllm_cp_kv.integration.planning.plan_batch`, one per batch)
   and sees the full-view block table;
 * vLLM's indexer op (``sparse_attn_indexer``) runs unchanged on the
   materialized full view, as if DCP were off: no CuteDSL top-k merge across
@@ -28,48 +28,45 @@ from __future__ import annotations
 import functools
 from functools import cache
 
-from .backend import plan_batch, translated
-from .runtime import get_runtime
+from . import plugin
+from .geometry import group_size_of
+from .planning import plan_batch, split_rows, translated
+from .runtime import runtime_of_layers
+
+
+class ShardedIndexerBuilder:
+    """Mixin over vLLM's DSA indexer builder: plans with the latent (the
+    same batch plan) and sees the full-view block table."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs):
+        if "block_table_width" in kwargs:
+            # a full-view row holds every logical block of a request: N times
+            # the columns of a DCP-sharded row
+            kwargs["block_table_width"] *= group_size_of(vllm_config)
+        with plugin.unsharded_view(vllm_config):
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device,
+                             *args, **kwargs)
+        self.cp_kv_layers = (vllm_config, list(layer_names))
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        common = common_attn_metadata
+        # the indexer reads every token of the batch, as sparse MLA does
+        made = plan_batch(runtime_of_layers(*self.cp_kv_layers), common,
+                          split_rows(self, common), whole=True, lse_decode=False)
+        metadata = super().build(common_prefix_len, translated(common, made.full_table),
+                                 fast_build)
+        metadata.cp_kv = made
+        return metadata
 
 
 @cache
-def sharded_indexer_backend(inner: type, unsharded_view) -> type:
-    """Return ``inner`` (vLLM's DSA indexer backend) with a builder that
-    plans with the latent and translates the block table to the full view
-    (``unsharded_view``: see ``backend.sharded_backend``)."""
-    inner_builder = inner.get_builder_cls()
-
-    class Builder(inner_builder):
-        def __init__(self, kv_cache_spec, layer_names, vllm_config, device,
-                     *args, **kwargs):
-            if "block_table_width" in kwargs:
-                # a full-view row holds every logical block of a request: N
-                # times the columns of a DCP-sharded row
-                n = vllm_config.parallel_config.decode_context_parallel_size
-                kwargs["block_table_width"] *= n
-            with unsharded_view(vllm_config):
-                super().__init__(kv_cache_spec, layer_names, vllm_config, device,
-                                 *args, **kwargs)
-
-        def build(self, common_prefix_len, common_attn_metadata,
-                  fast_build: bool = False):
-            common = common_attn_metadata
-            # the indexer reads every token of the batch, as sparse MLA does
-            made = plan_batch(common, self.kv_cache_spec.block_size, 0, whole=True,
-                              lse_decode=False, gather_heads=False)
-            metadata = super().build(common_prefix_len,
-                                     translated(common, made.full_table), fast_build)
-            metadata.cp_kv = made
-            return metadata
-
-    class Backend(inner):
-        @staticmethod
-        def get_builder_cls():
-            return Builder
-
-    for cls, role in ((Backend, "Backend"), (Builder, "Builder")):
-        cls.__name__ = cls.__qualname__ = f"ShardedKV{role}_{inner.get_name()}"
-    return Backend
+def sharded_indexer_backend(inner: type) -> type:
+    """``inner`` (vLLM's DSA indexer backend) with :class:`ShardedIndexerBuilder`."""
+    name = inner.get_name()
+    builder = type(f"ShardedKVBuilder_{name}",
+                   (ShardedIndexerBuilder, inner.get_builder_cls()), {})
+    return type(f"ShardedKVBackend_{name}", (inner,),
+                {"get_builder_cls": staticmethod(lambda: builder)})
 
 
 def _write_owned(k, metadata, kv_cache, args) -> None:
@@ -111,15 +108,16 @@ def sharded_indexer_op(orig):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
+        layer = _resolve_layer_name(a["k_cache_prefix"])
         if isinstance(metadata, dict):
-            metadata = metadata.get(_resolve_layer_name(a["k_cache_prefix"]))
+            metadata = metadata.get(layer)
         made = getattr(metadata, "cp_kv", None)
         if made is None or made.plan is None:  # not sharded, or a profile run
             return orig(*args, **kwargs)
         persistent = a["kv_cache"]
         if not a["skip_k_cache_insert"]:
             _write_owned(a["k"], metadata, persistent, a)
-        a["kv_cache"] = get_runtime(persistent.shape[1]).materialize(made, persistent)
+        a["kv_cache"] = made.runtime.materialize(made, persistent, layer)
         a.update(skip_k_cache_insert=True, dcp_rank=0, dcp_world_size=1)
         return orig(**a)
 

@@ -1,6 +1,8 @@
 """The worker cp_kv installs: the platform's worker, with the scratch
 full view taken out of the KV-cache memory budget, the shard runtime made
-once the KV cache is known, and one batch context per engine step."""
+once the KV cache is known and bound to the model's attention layers, and
+one step context per engine step (``execute_model`` and the
+``sample_tokens`` that follows it, where the speculative drafter runs)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ from vllm.platforms import current_platform
 
 from ..core.capacity import scratch_blocks_bound
 from . import plugin
+from .geometry import geometry_of, group_size_of
 from .metrics import ShardMetrics
 from .options import options_of
-from .runtime import current_runtime, get_runtime, set_scratch_capacity
+from .runtime import ShardRuntime, make_runtime
 
 if current_platform.is_cpu():
     from vllm.v1.worker.cpu_worker import CPUWorker as _PlatformWorker
@@ -22,10 +25,22 @@ logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
 
 class ShardedKVWorker(_PlatformWorker):
-    """Reserves the bounded scratch before vLLM sizes the KV cache."""
+    """Reserves the bounded scratch before vLLM sizes the KV cache, and owns
+    the :class:`~vllm_cp_kv.integration.runtime.ShardRuntime`."""
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        super().__init__(vllm_config, *args, **kwargs)
+        self.cp_kv_runtime: ShardRuntime | None = None
+        self._cp_kv_scratch_blocks: int | None = None
+        # before vLLM builds the model runner's PCP manager and the model
+        plugin.register_worker(vllm_config, self._v2_runner())
 
     def _sharding(self) -> bool:
         return options_of(self.vllm_config).kv_sharding
+
+    def _v2_runner(self) -> bool:
+        return bool(getattr(self, "use_v2_model_runner", False)) and \
+            not self.vllm_config.is_mm_encoder_only
 
     def determine_available_memory(self) -> int:
         available = super().determine_available_memory()
@@ -36,7 +51,7 @@ class ShardedKVWorker(_PlatformWorker):
         page_bytes = sum({s.page_size_bytes for s in specs.values()})
         block_size = min(s.block_size for s in specs.values())
         cfg = self.vllm_config
-        size = cfg.parallel_config.decode_context_parallel_size
+        size = group_size_of(cfg)
         buffers = 2 if self._prefetch() else 1  # layer-ahead prefetch: two views
         blocks = scratch_blocks_bound(
             available_bytes=available // buffers, page_bytes=page_bytes,
@@ -44,7 +59,7 @@ class ShardedKVWorker(_PlatformWorker):
             max_num_seqs=cfg.scheduler_config.max_num_seqs,
             max_model_len=cfg.model_config.max_model_len,
             cap_blocks=options_of(cfg).max_scratch_blocks)
-        set_scratch_capacity(blocks)
+        self._cp_kv_scratch_blocks = blocks
         logger.info(
             "cp_kv: KV shard group of %d ranks; scratch full view of %d x %d blocks "
             "(%.1f MiB) reserved from a KV budget of %.1f MiB.", size, buffers, blocks,
@@ -58,30 +73,72 @@ class ShardedKVWorker(_PlatformWorker):
                 and not getattr(cfg.model_config.hf_text_config, "index_topk", None))
 
     def initialize_from_config(self, kv_cache_config) -> None:
+        if not (self._sharding() and kv_cache_config.kv_cache_groups):
+            return super().initialize_from_config(kv_cache_config)
+        # made and bound before vLLM builds the metadata builders (which find
+        # it through their layers) and the PCP manager
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        geometry = geometry_of(self.vllm_config, block_size=spec.block_size)
+        runtime = self.cp_kv_runtime = make_runtime(geometry, self._cp_kv_scratch_blocks)
+        runtime.metrics = ShardMetrics(self.vllm_config, geometry.size, geometry.rank)
+        runtime.metrics.set_capacity(kv_cache_config.num_blocks * spec.block_size
+                                     * geometry.size)
+        latents = self.bind_layers(runtime)
+        if hasattr(self.model_runner, "cp_kv_runtime"):  # the V2 runner (pcp.py)
+            self.model_runner.cp_kv_runtime = runtime
         super().initialize_from_config(kv_cache_config)
-        if self._sharding() and kv_cache_config.kv_cache_groups:
-            # the runtime exists before the first step (the PCP manager and
-            # the step context below need it)
-            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-            runtime = get_runtime(spec.block_size)
-            n = runtime.spec.size
-            runtime.metrics = ShardMetrics(self.vllm_config, n, runtime.spec.rank)
-            runtime.metrics.set_capacity(kv_cache_config.num_blocks * spec.block_size * n)
-            if self._prefetch():
-                runtime.prefetch = True
-                runtime.register_layers(self.model_runner.kv_caches)
+        if self._prefetch():
+            runtime.prefetch = True
+            layers = self.vllm_config.compilation_config.static_forward_context
+            runtime.register_layers([(name, layers[name].kv_cache) for name in latents])
+
+    def bind_layers(self, runtime: ShardRuntime) -> list[str]:
+        """Give every attention layer the runtime (its builders find it
+        there) and every sharded impl its layer name; returns the sharded
+        MLA layers in layer order."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        layers = self.vllm_config.compilation_config.static_forward_context
+        sharded = []
+        for name, layer in layers.items():
+            layer.cp_kv_runtime = runtime
+            bind = getattr(getattr(layer, "impl", None), "cp_kv_bind", None)
+            if bind is not None:
+                bind(name)
+                sharded.append(name)
+        return sorted(sharded, key=extract_layer_index)
 
     def execute_model(self, *args, **kwargs):
-        runtime = current_runtime()
+        runtime = self.cp_kv_runtime
         if runtime is None:
             return super().execute_model(*args, **kwargs)
-        with runtime.step():
-            return super().execute_model(*args, **kwargs)
+        runtime.begin_step()
+        try:
+            out = super().execute_model(*args, **kwargs)
+        except BaseException:
+            runtime.end_step()
+            raise
+        if out is not None:  # sampled already: no sample_tokens follows
+            runtime.end_step()
+        return out
+
+    def sample_tokens(self, *args, **kwargs):
+        """The step's second half (vLLM calls it when ``execute_model``
+        returned None): sampling and the drafter's forwards, each with a
+        batch of its own (``ShardRuntime.new_forward``)."""
+        runtime = self.cp_kv_runtime
+        if runtime is None or not runtime.step_open():
+            return super().sample_tokens(*args, **kwargs)
+        runtime.new_forward()
+        try:
+            return super().sample_tokens(*args, **kwargs)
+        finally:
+            runtime.end_step()
 
     def cp_kv_stats(self, reset: bool = False) -> dict | None:
         """Running totals (for ``collective_rpc`` and the metrics);
         ``reset``: start new totals after reading."""
-        runtime = current_runtime()
+        runtime = self.cp_kv_runtime
         if runtime is None:
             return None
         stats = runtime.stats.as_dict()
@@ -89,21 +146,10 @@ class ShardedKVWorker(_PlatformWorker):
             runtime.reset_stats()
         return stats
 
-    def load_model(self, *args, **kwargs):
-        """Sparse (DeepSeek-V3.2) models: patch the indexer before vLLM
-        builds the model (plugin.py, item 10)."""
-        cfg = self.vllm_config
-        if self._sharding() and getattr(cfg.model_config.hf_text_config,
-                                        "index_topk", None):
-            plugin.patch_sparse_indexer()
-        return super().load_model(*args, **kwargs)
-
     def _make_model_runner(self):
         """GPU V2 runner: select cp_kv's PCP manager (see pcp.py)."""
-        if getattr(self, "use_v2_model_runner", False) and \
-                not self.vllm_config.is_mm_encoder_only:
+        if self._v2_runner():
             from .pcp import make_runner_cls
 
-            plugin.patch_forward_context()  # PCP + MoE padding (plugin.py, item 9)
             return make_runner_cls()(self.vllm_config, self.device)
         return super()._make_model_runner()

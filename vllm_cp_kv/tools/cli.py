@@ -2,12 +2,14 @@
 
     vllm-cp-kv capacity --model PATH --tp 2 [--kv-memory-gib 1] [--block-size 16]
         [--dtype auto] [--max-model-len N] [--max-num-seqs 256]
+    vllm-cp-kv compat [--json]
 
 ``capacity`` reads the model's config (no engine start, no weights) and
 prints the KV tokens a memory budget per rank holds with every rank keeping
 a full copy and with the cache sharded over the shard group, with the
 arithmetic vLLM's engine and the plugin use (whole blocks of every layer;
-the sharded budget minus the scratch full view).
+the sharded budget minus the scratch full view). ``compat`` resolves every
+vLLM name the plugin rebinds against the installed vLLM (``tools/compat.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import sys
 
 from ..core.capacity import logical_capacity_tokens
+from ..integration.geometry import shard_group_size
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": None}
 FP8_DS_MLA_BYTES = 656  # per token: 512 fp8 + 4 fp32 scales + 64 bf16 rope
@@ -46,7 +49,7 @@ def model_kv_layout(model_dir: str, dtype: str, kv_cache_dtype: str) -> dict:
 
 def capacity(a) -> int:
     layout = model_kv_layout(a.model, a.dtype, a.kv_cache_dtype)
-    n = a.pcp if a.pcp > 1 else a.tp
+    n = shard_group_size(a.tp, a.pcp)
     page = a.block_size * (layout["latent"] + layout["indexer"])
     budget = int(a.kv_memory_gib * 2**30)
     max_len = a.max_model_len or layout["max_position"]
@@ -86,7 +89,13 @@ def main(argv=None) -> int:
     c.add_argument("--max-num-seqs", type=int, default=256)
     c.add_argument("--max-scratch-blocks", type=int, default=0)
     c.add_argument("--json", action="store_true")
+    k = sub.add_parser("compat", help="check the plugin's vLLM rebindings resolve")
+    k.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.command == "compat":
+        from .compat import main as compat
+
+        return compat(a.json)
     return capacity(a)
 
 

@@ -3,7 +3,7 @@ decode instance through the cp_kv connector; compared with one instance.
 
 Usage: python -m vllm_cp_kv.tools.pd_offline MODEL WORKDIR [--transport nixl|mooncake]
            [--decode-tp N] [--prefill-tp 2] [--dtype bfloat16] [--backend CPU_MLA]
-           [--block-size N] [--max-num-seqs N] [--blocks-expiry S] [--drop-positions]
+           [--block-size N] [--max-num-seqs N] [--blocks-expiry S]
            [--transfer-timeout S] [--cpu-rope-kernel] [--waves 2 [--wave2 suffix|same]]
        GPU:   ... --device cuda [--prefill-pcp 2] [--gpu-mem F] [--decode-gpu-mem F]
            [--num-prompts N] [--prompt-repeat R] [--max-model-len L] [--strict]
@@ -15,8 +15,6 @@ instance (sharded with cp_kv, ``kv_producer``) runs every prompt with
 reference is one unsharded instance with the decode's TP. All prompts of a
 wave run as one batch on every side (``--max-num-seqs 1``: one at a time
 everywhere). Prints ``PD_RESULT {json}`` and writes WORKDIR/pd_result.json.
-``--drop-positions`` is the negative control (a decode-side test hook writes
-blocks without their logical positions).
 
 Recorded besides the tokens: the tokens the decode received per request (its
 log), whether both instances' caches are empty afterwards (vLLM's
@@ -71,44 +69,26 @@ import subprocess
 import sys
 import time
 
+from .offline import build_llm, prefix_cache_counters
 from .tiny_model import prompts, token_prompts
 
 NUM_PROMPTS, MAX_TOKENS = 8, 32
 WAVE_MARK = "cp_kv pd_offline: decode wave"  # the decode log's wave boundary
 
 
-def _kv_config(role: str, a) -> dict:
-    return {"kv_connector": "ShardedKVConnector",
-            "kv_connector_module_path": "vllm_cp_kv.integration.connector",
-            "kv_role": role,
-            "kv_connector_extra_config": {"transport": a.transport,
-                                          "side_channel_port": a.port,
-                                          "blocks_expiry_s": a.blocks_expiry,
-                                          "transfer_timeout_s": a.transfer_timeout}}
-
-
 def _llm(a, role: str):
     """``role``: reference, prefill or decode."""
-    from vllm import LLM
-
     gpu = a.device == "cuda"
-    tp = a.prefill_tp if role == "prefill" else a.decode_tp
-    kw = dict(model=a.model, tokenizer=a.model, dtype=a.dtype, tensor_parallel_size=tp,
-              max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=0,
-              enforce_eager=True,
+    kw = dict(tp=a.prefill_tp if role == "prefill" else a.decode_tp, dtype=a.dtype,
+              backend=a.backend, block_size=a.block_size, max_model_len=a.max_model_len,
+              max_num_seqs=a.max_num_seqs,
               # vLLM's counters (prefix-cache hits, the connector's transfer figures)
               disable_log_stats=role == "reference")
-    if a.block_size:
-        kw["block_size"] = a.block_size
-    if a.backend:
-        kw["attention_config"] = {"backend": a.backend}
     if gpu:
-        kw.update(gpu_memory_utilization=a.gpu_mem if role == "prefill" else a.decode_gpu_mem,
-                  disable_custom_all_reduce=True)
-        if a.kv_bytes:  # per rank; skips memory profiling
-            kw["kv_cache_memory_bytes"] = a.kv_bytes
+        kw.update(gpu_mem=a.gpu_mem if role == "prefill" else a.decode_gpu_mem,
+                  kv_bytes=a.kv_bytes)  # per rank; skips memory profiling
         if role == "prefill" and a.prefill_pcp > 1:
-            kw.update(tensor_parallel_size=1, prefill_context_parallel_size=a.prefill_pcp)
+            kw.update(tp=1, pcp=a.prefill_pcp)
         if role == "decode" and not a.decode_prefix_caching:
             kw["enable_prefix_caching"] = False
     elif not a.cpu_rope_kernel:
@@ -118,15 +98,17 @@ def _llm(a, role: str):
         # reads and writes with the wrong token stride, corrupting other tokens'
         # kv_c. The result depends on the batch layout, so prefill and decode
         # (and batched and single runs) disagree. The PyTorch rope is exact.
-        kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+        kw["rope"] = "torch"
     if role == "prefill" and a.waves > 1:
         kw["enable_prefix_caching"] = True
+    if a.spec:  # every side: the prefill fills the draft layer's KV too
+        kw["speculative_config"] = json.loads(a.spec)
     if role != "reference":
-        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-        kw["kv_transfer_config"] = _kv_config(kv_role, a)
-    if role == "prefill":
-        kw["additional_config"] = {"cp_kv": {"enable": True}}
-    return LLM(**kw)
+        kw["kv_role"] = "kv_producer" if role == "prefill" else "kv_consumer"
+        kw["kv_extra"] = {"transport": a.transport, "side_channel_port": a.port,
+                          "blocks_expiry_s": a.blocks_expiry,
+                          "transfer_timeout_s": a.transfer_timeout}
+    return build_llm(a.model, shard=role == "prefill", **kw)
 
 
 def _sampling(a, params=None, max_tokens=None):
@@ -160,18 +142,6 @@ def _result(outs) -> dict:
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
             "prompt_lens": [len(o.prompt_token_ids) for o in outs],
             "num_cached_tokens": [o.num_cached_tokens for o in outs]}
-
-
-def prefix_cache_counters(llm) -> dict:
-    """vLLM's own prefix-cache counters of an ``LLM`` (tokens, summed over
-    labels): ``{"prefix_cache_queries": q, "prefix_cache_hits": h}`` (also
-    used by tests/run_vllm.py and benchmarks/prefix_caching.py)."""
-    got = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
-    for m in llm.get_metrics():
-        key = m.name.split(":", 1)[-1]
-        if m.name.startswith("vllm:") and key in got:
-            got[key] += int(m.value)
-    return got
 
 
 def _transfer_metrics(llm) -> dict:
@@ -270,9 +240,6 @@ def role_decode(a):
             _wait_file(path)
             with open(path) as f:
                 params = json.load(f)
-            if a.drop_positions:
-                for p in params:
-                    p["cp_kv_test_ignore_positions"] = True
             print(f"{WAVE_MARK} {k + 1}", flush=True)
             waves.append(_result(llm.generate(wave, [_sampling(a, p) for p in params])))
             open(os.path.join(a.workdir, f"wave{k}.done"), "w").close()
@@ -284,7 +251,7 @@ def role_decode(a):
         open(os.path.join(a.workdir, "decode.done"), "w").close()
 
 
-def _spawn(a, role: str, env: dict):
+def _spawn(a, role: str):
     argv = [sys.executable, "-m", "vllm_cp_kv.tools.pd_offline", a.model, a.workdir,
             "--role", role]
     for key, value in vars(a).items():
@@ -296,12 +263,12 @@ def _spawn(a, role: str, env: dict):
         else:
             argv += [flag, str(value)]
     if a.device == "cuda" and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(
             str(i) for i in range(a.prefill_pcp * a.prefill_tp if role == "prefill"
                                   else a.decode_tp))}
     else:
         two = role == "prefill" or a.decode_tp == 2
-        env = {**env, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if two else
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1" if two else
                ("1" if role == "decode" else "0")}
     log = open(os.path.join(a.workdir, f"{role}.log"), "w")
     return subprocess.Popen(argv, env={**os.environ, **env}, stdout=log,
@@ -342,7 +309,8 @@ def _wait_for(path: str, proc, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The tool's arguments, with the platform's defaults filled in."""
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("workdir")
@@ -385,15 +353,17 @@ def main() -> None:
     ap.add_argument("--wave2", default="suffix", choices=["suffix", "same"],
                     help="wave 2: each prompt plus a new suffix, or the same prompts")
     ap.add_argument("--suffix-len", type=int, default=24)
-    ap.add_argument("--drop-positions", action="store_true")
     ap.add_argument("--cpu-rope-kernel", action="store_true",
                     help="keep vLLM's CPU rotary kernel (wrong for MLA in vLLM 0.32; "
                          "by default the PyTorch rope runs instead)")
+    ap.add_argument("--spec", default=None,
+                    help='speculative_config of every instance, e.g. \'{"method": "mtp", '
+                         '"num_speculative_tokens": 2}\' (a model with an MTP layer)')
     ap.add_argument("--strict", action="store_true",
                     help="exit 1 unless every check holds (see pd_result.json 'checks')")
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=900)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     gpu = a.device == "cuda"
     a.prefill_tp = a.prefill_tp or (1 if gpu else 2)
     a.prefill_pcp = a.prefill_pcp or (2 if gpu else 1)
@@ -404,6 +374,11 @@ def main() -> None:
     a.prompt_repeat = a.prompt_repeat or (4 if gpu else 1)
     a.max_model_len = a.max_model_len or (4096 if gpu else 1024)
     a.blocks_expiry = a.blocks_expiry or (300.0 if gpu else 120.0)
+    return a
+
+
+def main() -> None:
+    a = parse_args()
     # vLLM's engine-core process keeps stepping after generate() returns, so
     # the prefill side hands its finished blocks to the workers and serves reads
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -413,19 +388,27 @@ def main() -> None:
         with open(os.path.join(a.workdir, f"{a.role}.json"), "w") as f:
             json.dump(res, f)
         return
+    out = run_all(a)
+    print("PD_RESULT", json.dumps(out))
+    if a.strict and not all((out.get("checks") or {"ran": False}).values()):
+        sys.exit(1)
+
+
+def run_all(a) -> dict:
+    """The reference, the prefill and the decode, one process each, in
+    order; their results summarized into ``workdir/pd_result.json``."""
     os.makedirs(a.workdir, exist_ok=True)
     for name in os.listdir(a.workdir):
         if name.startswith(("params", "decode", "prefill", "reference", "pd_result", "wave")):
             os.remove(os.path.join(a.workdir, name))
-    env = {"VLLM_CP_KV_TEST_HOOKS": "1"} if a.drop_positions else {}
     t0 = time.time()
-    procs = [_spawn(a, "reference", env)]
+    procs = [_spawn(a, "reference")]
     try:
         procs[0].wait(timeout=a.timeout)
-        procs.append(_spawn(a, "prefill", env))
-        if gpu:  # GPU 0 is shared: let the prefill size its cache first
+        procs.append(_spawn(a, "prefill"))
+        if a.device == "cuda":  # GPU 0 is shared: let the prefill size its cache first
             _wait_for(os.path.join(a.workdir, "params0.json"), procs[1], a.timeout)
-        procs.append(_spawn(a, "decode", env))
+        procs.append(_spawn(a, "decode"))
         ref, prefill, decode = procs
         rc_d = decode.wait(timeout=a.timeout)
         rc_p = prefill.wait(timeout=a.blocks_expiry + 180)
@@ -435,16 +418,15 @@ def main() -> None:
     out = {"device": a.device, "transport": a.transport, "prefill_tp": a.prefill_tp,
            "prefill_pcp": a.prefill_pcp, "decode_tp": a.decode_tp, "dtype": a.dtype,
            "backend": a.backend, "block_size": a.block_size, "waves": a.waves,
-           "max_num_seqs": a.max_num_seqs, "drop_positions": a.drop_positions,
-           "cpu_rope_kernel": a.cpu_rope_kernel, "rc": [ref.returncode, rc_p, rc_d],
+           "max_num_seqs": a.max_num_seqs, "cpu_rope_kernel": a.cpu_rope_kernel,
+           "spec": json.loads(a.spec) if a.spec else None,
+           "rc": [ref.returncode, rc_p, rc_d],
            "wall_s": round(time.time() - t0, 1)}
     if out["rc"] == [0, 0, 0]:
         out.update(_summarize(a))
     with open(os.path.join(a.workdir, "pd_result.json"), "w") as f:
         json.dump(out, f)
-    print("PD_RESULT", json.dumps(out))
-    if a.strict and not all((out.get("checks") or {"ran": False}).values()):
-        sys.exit(1)
+    return out
 
 
 def _summarize(a) -> dict:

@@ -1,6 +1,6 @@
 """Build a tiny random-weight DeepSeek-V2 (MLA + MoE) model fully offline.
 
-Usage: python -m vllm_cp_kv.tools.tiny_model OUT_DIR [--heads-gpu]
+Usage: python -m vllm_cp_kv.tools.tiny_model OUT_DIR [--gpu-heads]
 
 The tokenizer is a byte-level BPE trained on an inline corpus. Weights use
 ``initializer_range=0.2`` so greedy outputs are diverse and depend on the
@@ -8,7 +8,7 @@ context (with the default init a random model repeats one token, which
 would make identity tests meaningless). DeepSeek-V2 ``topk_method="greedy"``
 routing is deterministic run to run on vLLM CPU (V3's ``noaux_tc`` is not).
 The CPU MLA decode kernel needs ``kv_lora_rank + qk_rope_head_dim == 576``;
-``--heads-gpu`` uses DeepSeek head sizes (nope 128, v 128) that GPU MLA
+``--gpu-heads`` uses DeepSeek head sizes (nope 128, v 128) that GPU MLA
 prefill backends require.
 """
 
@@ -67,6 +67,72 @@ def build(out_dir: str, *, gpu_heads: bool = False, num_layers: int = 3,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         vocab_size=len(tok))
     return _write(cfg, tok, out_dir, seed)
+
+
+def build_mtp(out_dir: str, *, num_layers: int = 2, hidden: int = 384, heads: int = 6,
+              vocab: int = 700, seed: int = 0, init: float = 0.2,
+              max_positions: int = 4096, gpu_heads: bool = False, mix: float = 0.01) -> str:
+    """A tiny DeepSeek-V3 with one MTP layer (vLLM's ``mtp`` speculative
+    method): ``num_layers`` dense MLA decoder layers with random weights
+    and, at ``model.layers.<num_layers>.*``, the MTP layer (a decoder layer
+    with ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head``). Random MTP
+    weights would never be accepted, so every layer's attention output is
+    scaled by ``mix`` and its MLP output by 0 (the residual stream keeps the
+    token's embedding: the target's next token depends mostly on the last
+    one, and on the context through attention) and the MTP layer repeats the
+    target's last step one token later (``eh_proj`` passes the new token's
+    embedding; its head and norm are the target's ``lm_head`` and final
+    norm): its drafts are accepted where the context does not change the
+    target's choice, and depend on its attention over the MTP layer's own
+    KV. Skips if present."""
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    import torch
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3Config
+
+    tok = build_tokenizer(vocab)
+    nope, v = (128, 128) if gpu_heads else (32, 32)
+    # num_layers + 1 decoder layers: the last one is the MTP layer's block
+    cfg = DeepseekV3Config(
+        hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+        num_hidden_layers=num_layers + 1, num_attention_heads=heads,
+        num_key_value_heads=heads, q_lora_rank=None, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=nope, v_head_dim=v, head_dim=64,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=num_layers + 1, n_group=1, topk_group=1,
+        max_position_embeddings=max_positions, tie_word_embeddings=False,
+        initializer_range=init, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok))
+    _write(cfg, tok, out_dir, seed)
+    from safetensors.torch import load_file
+
+    prefix = f"model.layers.{num_layers}."
+    main_file = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(main_file)
+    for layer in range(num_layers + 1):
+        for name, scale in (("self_attn.o_proj.weight", mix), ("mlp.down_proj.weight", 0.0)):
+            key = f"model.layers.{layer}.{name}"
+            tensors[key] = tensors[key] * scale
+    save_file(tensors, main_file, metadata={"format": "pt"})
+    # eh_proj's input is [enorm(embedding of the token), hnorm(hidden)]
+    pass_embedding = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    weights = {prefix + name: t.to(torch.bfloat16).contiguous() for name, t in {
+        "enorm.weight": torch.ones(hidden), "hnorm.weight": torch.ones(hidden),
+        "eh_proj.weight": pass_embedding,
+        "shared_head.norm.weight": tensors["model.norm.weight"].float(),
+        "shared_head.head.weight": tensors["lm_head.weight"].float(),
+    }.items()}
+    save_file(weights, os.path.join(out_dir, "mtp.safetensors"))
+    _add_to_index(out_dir, "mtp.safetensors", weights)
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        data = json.load(f)
+    data.update(num_hidden_layers=num_layers, num_nextn_predict_layers=1)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    return out_dir
 
 
 def build_held_out(out_dir: str) -> str:
@@ -273,7 +339,12 @@ def main() -> None:
     ap.add_argument("--dsv32", action="store_true",
                     help="DeepSeek-V3.2 sparse attention (with --v3-attention: "
                          "DeepSeek-V3.2 shapes)")
+    ap.add_argument("--mtp", action="store_true",
+                    help="DeepSeek-V3, dense, with one MTP layer (--layers decoder layers)")
     a = ap.parse_args()
+    if a.mtp:
+        print(build_mtp(a.out_dir, num_layers=a.layers, gpu_heads=a.gpu_heads, init=a.init))
+        return
     if a.dsv32:
         print(build_dsv32(a.out_dir, v3_shapes=a.v3_attention))
         return

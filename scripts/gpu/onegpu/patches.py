@@ -23,8 +23,12 @@ no.    target (vLLM 0.32)                           change                  swit
                                                     the config lacks it
 7      ``CpuPlatform.get_device_communicator_cls``  :class:`OneGPUComm`     ``ONEGPU_CPU_COMM=1``
 8      ``MLACommonMetadataBuilder`` (class attrs)   decode threshold K,     ``CPKV_SHIM_DECODE_``
-       and ``vllm_cp_kv...backend.decode_threshold`` VARLEN; the plugin     ``THRESHOLD=K``
+       and ``vllm_cp_kv...decode.decode_threshold`` VARLEN; the plugin     ``THRESHOLD=K``
                                                     keeps each backend's
+9      ``vllm_cp_kv...connector.scheduler``         P/D test hooks          ``CPKV_TEST_HOOKS=1``
+       ``.check_params``; ``...consumer``           (:mod:`pd_hooks`)
+       (``Consumer.receive``, ``check_complete``,
+       ``read_owned_blocks``)
 =====  ===========================================  ======================  ==========================
 
 Why:
@@ -45,11 +49,15 @@ Why:
      tokens as decode rows (as FLASH_ATTN_MLA does with 512 and FLASHMLA
      with 128), and the sharded backend keeps every backend's routing
      instead of lowering it to the speculative length
-     (``backend.decode_threshold``). Short prefills
+     (``decode.decode_threshold``). Short prefills
      and short extensions of a cached context then reach the shard-aware
      decode as rows with several query tokens, on CPU too. Install it in
      the sharded run only: vLLM's CPU_MLA decode kernel takes one query per
      row.
+9.   Test-only, on a P/D decode (CPU and GPU): kv_transfer_params keys that
+     pause a pull between the prefill ranks' reads and drop the logical
+     positions (the negative control); ``CPKV_TEST_IGNORE_POSITIONS=1``
+     drops them for every pull. Why and how: :mod:`pd_hooks`.
 """
 
 from __future__ import annotations
@@ -221,6 +229,19 @@ def patch_backend_threshold(m) -> None:
         m.decode_threshold = lambda vllm_config, inner: inner
 
 
+# -- 9 ------------------------------------------------------------------------
+def patch_pd_scheduler(m) -> None:
+    import pd_hooks  # imports the connector's params: only once vLLM loads it
+
+    pd_hooks.patch_scheduler(m)
+
+
+def patch_pd_consumer(m) -> None:
+    import pd_hooks
+
+    pd_hooks.patch_consumer(m)
+
+
 def _table() -> dict:
     t = {}
     if os.environ.get("ONEGPU") == "1":
@@ -231,7 +252,10 @@ def _table() -> dict:
         t["vllm.platforms.cpu"] = patch_platform_cpu
     if shim_threshold() > 1:
         t["vllm.model_executor.layers.attention.mla_attention"] = patch_mla_threshold
-        t["vllm_cp_kv.integration.backend"] = patch_backend_threshold
+        t["vllm_cp_kv.integration.decode"] = patch_backend_threshold
+    if os.environ.get("CPKV_TEST_HOOKS") == "1":
+        t["vllm_cp_kv.integration.connector.scheduler"] = patch_pd_scheduler
+        t["vllm_cp_kv.integration.connector.consumer"] = patch_pd_consumer
     return t
 
 

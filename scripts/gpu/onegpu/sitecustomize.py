@@ -1,7 +1,8 @@
 """Loads ``patches.py`` in every Python process started with this folder on
 PYTHONPATH (vLLM's spawned workers too), when one of its switches is set
-(``ONEGPU=1``, ``ONEGPU_CPU_COMM=1``, ``CPKV_SHIM_DECODE_THRESHOLD=K``).
-Not part of the package: the one-GPU harness and its verification shims.
+(``ONEGPU=1``, ``ONEGPU_CPU_COMM=1``, ``CPKV_SHIM_DECODE_THRESHOLD=K``,
+``CPKV_TEST_HOOKS=1``). Not part of the package: the one-GPU harness, its
+verification shims and the P/D test hooks.
 
 Any other sitecustomize.py later on sys.path (this one shadows it) runs too.
 """

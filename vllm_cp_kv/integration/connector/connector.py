@@ -11,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
 from vllm.logger import init_logger
 
+from ..geometry import ShardGeometry, geometry_of, group_size_of
 from .config import ConnectorConfig, check_decode_exposure
 from .scheduler import SchedulerSide, ShardedKVMetadata
 from .stats import ShardedKVPromMetrics, ShardedKVStats
@@ -26,7 +27,7 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.cfg = ConnectorConfig.from_extra(kv.kv_connector_extra_config, kv.is_kv_producer)
         self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
         parallel = vllm_config.parallel_config
-        self.shard_size = parallel.decode_context_parallel_size
+        self.shard_size = group_size_of(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         self.engine_id = kv.engine_id
         # every decode TP rank holds the whole (replicated) latent cache and
@@ -86,10 +87,10 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
     # Worker-side methods
     # ==============================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        geometry = geometry_of(self._vllm_config)
         self._worker = WorkerSide.start(
-            self.cfg, list(kv_caches.values()), shard_rank(self.shard_size), self.engine_id,
-            self.shard_size, self.block_size, self.tp_size, self.is_producer,
-            self.is_consumer)
+            self.cfg, list(kv_caches.values()), geometry, side_rank(geometry),
+            self.engine_id, self.tp_size, self.is_producer, self.is_consumer)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -135,25 +136,14 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.close()
 
 
-def shard_rank(shard_size: int, dcp_group=None, tp_rank: int | None = None) -> int:
-    """The rank a worker serves (prefill) or reads as (decode).
-
-    A sharded instance (``shard_size`` > 1) shards over vLLM's DCP group, so
-    its shard rank is the rank in that group, as the plugin's ownership rule
-    uses it (``runtime.get_runtime``): the TP rank under TP sharding, the PCP
-    rank under PCP (where every rank has TP rank 0). It names the blocks the
-    worker owns and its side-channel port (``side_channel_port + rank``). An
-    unsharded instance (the decode) uses its TP rank. The groups are vLLM's
-    unless given (tests pass stand-ins)."""
-    if shard_size > 1:
-        if dcp_group is None:
-            from vllm.distributed.parallel_state import get_dcp_group
-
-            dcp_group = get_dcp_group()
-        if dcp_group.world_size != shard_size:
-            raise ValueError(f"ShardedKVConnector: vLLM's DCP group has "
-                             f"{dcp_group.world_size} ranks, the shard group {shard_size}")
-        return dcp_group.rank_in_group
+def side_rank(geometry: ShardGeometry, tp_rank: int | None = None) -> int:
+    """The rank a worker serves as (prefill) or reads as (decode): its shard
+    rank when sharded (it names the blocks the worker owns and its
+    side-channel port, ``side_channel_port + rank``), else its TP rank (an
+    unsharded decode's TP ranks each read every block). ``tp_rank``: given
+    by tests, else vLLM's."""
+    if geometry.size > 1:
+        return geometry.rank
     if tp_rank is None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

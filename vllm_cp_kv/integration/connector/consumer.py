@@ -27,7 +27,6 @@ started: the request fails rather than read blocks the prefill may reuse.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 import time
@@ -35,22 +34,16 @@ from typing import Callable
 
 import msgspec
 
-from ...core.manifest import ManifestError, check_complete, validate_manifest, without_positions
+from ...core.manifest import ManifestError, check_complete, validate_manifest
 from ...core.ownership import num_logical_blocks
 from .counters import TransferCounters
-from .params import RULE, TransferParams
+from .params import TransferParams
 from .side_channel import (MAX_WIRE_LEASE_S, Done, Fetch, FetchReply, Handshake, Ok,
                            RateLimitedLog, Refused, Release, SideChannelClient,
                            SideChannelError, new_nonce)
 from .transfer import ReadNotAborted, read_owned_blocks
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
-# Test hooks, honoured only when this variable is 1 on the decode server:
-# kv_transfer_params "cp_kv_test_pause_s" pauses between prefill ranks' reads
-# (a test kills the prefill mid-transfer; the pause is logged), and
-# "cp_kv_test_ignore_positions" drops the logical positions (negative control:
-# the output must change).
-TEST_HOOKS_ENV = "VLLM_CP_KV_TEST_HOOKS"
 LEASE_MARGIN_S = 30.0
 # A refused fetch is asked again for this long (at most transfer_timeout_s):
 # the prefill's workers learn of a finished request at its next engine step.
@@ -70,7 +63,7 @@ class Consumer:
         self.local, self.transport = local, transport
         self.timeout_s, self.secret, self.tp_size = timeout_s, secret, tp_size
         self._on_finished = on_finished
-        self.counters = counters if counters is not None else TransferCounters(local.rank)
+        self.counters = counters if counters is not None else TransferCounters(local.shard.rank)
         self._lock = threading.Lock()
         self._receiving = 0
         self._done: set[str] = set()
@@ -132,7 +125,7 @@ class Consumer:
     def receive(self, req_id: str, local_ids: list[int], p: TransferParams,
                 ready=None) -> None:
         t0 = time.monotonic()
-        n_blocks = num_logical_blocks(p.remote_num_tokens, self.local.block_size)
+        n_blocks = num_logical_blocks(p.remote_num_tokens, self.local.shard.block_size)
         ids = list(local_ids[:n_blocks])
         # blocks this decode's prefix cache holds (-1) lead the table; they are
         # shared with other requests and must not be written
@@ -166,27 +159,14 @@ class Consumer:
                 # our clock started before theirs: the claim ends after this
                 start_by[r] = asked + reply.lease_s - bound
             check_complete(manifests, n_blocks)
-            hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
-            if hooks and p.cp_kv_test_ignore_positions:
-                manifests = without_positions(manifests)
             if cached:
                 manifests = {r: [(j, b) for j, b in m if j >= cached]
                              for r, m in manifests.items()}
             if ready is not None:  # vLLM's zeroing of the new blocks has run
                 ready.synchronize()
-            pause = p.cp_kv_test_pause_s if hooks else 0.0
-
-            def before_rank(r: int) -> None:
-                if r and pause:
-                    logger.info("cp_kv connector: test hook: request %s read rank %d's "
-                                "blocks; pausing %g s before rank %d's", req_id, r - 1,
-                                pause, r)
-                    time.sleep(pause)
-
             num_descs = read_owned_blocks(
                 self.transport, manifests, peers, local_ids, self.local.layer_addrs,
-                self.local.block_bytes, self.timeout_s, before_rank=before_rank,
-                start_by=start_by)
+                self.local.block_bytes, self.timeout_s, start_by=start_by)
             self._tell(clients, req_id, Done, p, reader, readers=self.tp_size)
             seconds = time.monotonic() - t0
             self.counters.pull_ok(len(wanted) * sum(self.local.block_bytes), len(wanted),
@@ -203,7 +183,7 @@ class Consumer:
                 client.close()
         logger.info("cp_kv connector: request %s received %d tokens (%d blocks, %d "
                     "descriptors, %d bytes) from %d prefill ranks in %.3f s%s", req_id,
-                    p.remote_num_tokens - cached * self.local.block_size, len(wanted),
+                    p.remote_num_tokens - cached * self.local.shard.block_size, len(wanted),
                     num_descs, len(wanted) * sum(self.local.block_bytes), p.shard_size,
                     seconds, f"; {cached} leading blocks from this decode's prefix cache"
                     if cached else "")
@@ -247,12 +227,15 @@ class Consumer:
 
     def check_handshake(self, hs: Handshake, rank: int, p: TransferParams) -> None:
         mine = self.local
-        want = {"rank": rank, "shard_size": p.shard_size, "block_size": mine.block_size,
-                "ownership_rule": RULE, "block_bytes": mine.block_bytes,
+        # the prefill's geometry, whole: rank r of the request's shard group,
+        # with this decode's block size and ownership rule
+        want = {"rank": rank, "size": p.shard_size, "block_size": mine.shard.block_size,
+                "rule": mine.shard.rule, "block_bytes": mine.block_bytes,
                 "dtype": mine.dtype, "transport": mine.transport,
                 "caches": len(mine.layer_addrs)}
-        got = {k: getattr(hs, k) for k in want if k != "caches"}
-        got["caches"] = len(hs.layer_addrs)
+        got = {k: getattr(hs.shard, k) for k in ("rank", "size", "block_size", "rule")}
+        got.update(block_bytes=hs.block_bytes, dtype=hs.dtype, transport=hs.transport,
+                   caches=len(hs.layer_addrs))
         bad = {k: (got[k], v) for k, v in want.items() if got[k] != v}
         if bad:
             raise ManifestError(f"handshake mismatch with prefill rank {rank} "

@@ -5,9 +5,8 @@ them on to the decode: on the decode they are **client input**. They are
 checked strictly (msgspec, strict types: an int is an int, not ``"5"``,
 ``True`` or ``5.0``; bounded strings, ports 1..65535) twice:
 
-* in the frontend (:func:`check_request_params`, installed by
-  :func:`patch_input_processor` around vLLM's ``InputProcessor.
-  _validate_params``): a bad request is refused with HTTP 400 and the reason
+* in the frontend (:func:`check_request_params`, installed by the plugin
+  around vLLM's ``InputProcessor._validate_params``, plugin.py item 7): a bad request is refused with HTTP 400 and the reason
   before it reaches the engine;
 * in the decode's scheduler (:func:`check_params`), which also knows the
   prompt's length; what fails there fails the request's KV load (HTTP 500,
@@ -22,17 +21,15 @@ Unknown keys are ignored (routers may add their own).
 
 from __future__ import annotations
 
-import functools
 from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
-from ...core.ownership import num_logical_blocks
+from ...core.ownership import CYCLIC, num_logical_blocks
 from .config import ConnectorConfig, host_allowed
 from .side_channel import MAX_BLOCKS, MAX_ID_CHARS, MAX_READERS, RequestId, Token
 
-RULE = "cyclic"
 CONNECTOR = "ShardedKVConnector"
 MAX_TOKENS = 1 << 26
 Host = Annotated[str, Meta(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9._:\-\[\]]+$")]
@@ -50,16 +47,13 @@ class TransferParams(Struct, forbid_unknown_fields=False):
     shard_size: Annotated[int, Meta(ge=1, le=MAX_READERS)]
     block_size: Annotated[int, Meta(ge=1, le=1 << 16)]
     transfer_token: Token
-    ownership_rule: Literal["cyclic"] = RULE
+    ownership_rule: Literal["cyclic"] = CYCLIC
     transport: Literal["nixl", "mooncake"] = "nixl"
     do_remote_decode: bool = False
     remote_engine_id: Annotated[str, Meta(max_length=MAX_ID_CHARS)] = ""
     # not used (see the module docstring); checked, then ignored
     remote_block_ids: Annotated[list[Annotated[int, Meta(ge=0, lt=1 << 31)]],
                                 Meta(max_length=MAX_BLOCKS)] | None = None
-    # test hooks, honoured only with VLLM_CP_KV_TEST_HOOKS=1 on the decode
-    cp_kv_test_pause_s: Annotated[float, Meta(ge=0, le=600)] = 0.0
-    cp_kv_test_ignore_positions: bool = False
 
 
 class ParamsError(ValueError):
@@ -148,26 +142,3 @@ def check_request_params(vllm_config, sampling_params) -> None:
 def _config(kv_transfer_config) -> ConnectorConfig:
     return ConnectorConfig.from_extra(kv_transfer_config.kv_connector_extra_config,
                                       kv_transfer_config.is_kv_producer)
-
-
-def patch_input_processor() -> None:
-    """Wrap vLLM's ``InputProcessor._validate_params`` with
-    :func:`check_request_params` (idempotent; inert for other connectors).
-
-    Why there: it runs in the frontend before the request reaches the engine,
-    and vLLM maps its ``VLLMValidationError`` to HTTP 400 with the message;
-    a connector has no other way to refuse a request with a reason."""
-    from vllm.v1.engine.input_processor import InputProcessor
-
-    orig = InputProcessor._validate_params
-    if getattr(orig, "_cp_kv", False):
-        return
-
-    @functools.wraps(orig)
-    def _validate_params(self, params, *args, **kwargs):
-        result = orig(self, params, *args, **kwargs)
-        check_request_params(self.vllm_config, params)
-        return result
-
-    _validate_params._cp_kv = True
-    InputProcessor._validate_params = _validate_params

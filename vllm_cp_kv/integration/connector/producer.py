@@ -56,12 +56,13 @@ class Producer:
     """One prefill rank's served requests. ``handle`` runs on the side
     channel's thread, ``add``/``take_finished`` on the worker's."""
 
-    def __init__(self, rank: int, shard_size: int, block_size: int, handshake: Handshake,
-                 expiry_s: float, on_finished: Callable[[], None] = lambda: None,
-                 transport=None, counters: TransferCounters | None = None):
-        self.rank, self.shard_size, self.block_size = rank, shard_size, block_size
+    def __init__(self, handshake: Handshake, expiry_s: float,
+                 on_finished: Callable[[], None] = lambda: None, transport=None,
+                 counters: TransferCounters | None = None):
+        self.shard = handshake.shard  # the geometry this rank serves under
+        self.rank = self.shard.rank
         self.handshake, self.expiry_s, self.transport = handshake, expiry_s, transport
-        self.counters = counters if counters is not None else TransferCounters(rank)
+        self.counters = counters if counters is not None else TransferCounters(self.rank)
         self._on_finished = on_finished
         self._lock = threading.Lock()
         self._served: dict[str, Served] = {}
@@ -109,12 +110,6 @@ class Producer:
         with self._lock:
             return bool(self._finished)
 
-    def claimed(self, req_id: str, now: float | None = None) -> bool:
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            entry = self._served.get(req_id)
-            return entry is not None and any(t > now for t in entry.leases.values())
-
     # ---- side-channel thread ------------------------------------------------------
     def handle(self, msg: Fetch | Done | Release) -> FetchReply | Ok | Error:
         now = time.monotonic()
@@ -145,7 +140,7 @@ class Producer:
             return Error(nonce=msg.nonce, reason=f"prefill rank {self.rank}: no more claims "
                                                  "on this request")
         try:
-            manifest = owned_manifest(self.rank, self.shard_size, self.block_size,
+            manifest = owned_manifest(self.rank, self.shard.size, self.shard.block_size,
                                       entry.table, entry.num_tokens)
         except ManifestError as e:
             return Error(nonce=msg.nonce, reason=f"prefill rank {self.rank}: {e}")

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from .config import ConnectorConfig
-from .params import RULE, TransferParams, check_params
+from ...core.ownership import CYCLIC
+from .params import TransferParams, check_params
 from .side_channel import MAX_ID_CHARS
 
 
@@ -109,7 +110,7 @@ class SchedulerSide:
             "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
             "remote_host": self.cfg.host, "remote_port": self.cfg.port,
             "remote_num_tokens": num_tokens, "shard_size": self.shard_size,
-            "block_size": self.block_size, "ownership_rule": RULE,
+            "block_size": self.block_size, "ownership_rule": CYCLIC,
             "transport": self.cfg.transport, "transfer_token": token}
 
     def update_connector_output(self, connector_output) -> None:

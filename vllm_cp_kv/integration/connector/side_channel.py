@@ -136,14 +136,27 @@ class TransportMeta(Struct, forbid_unknown_fields=True):
     device_id: Annotated[int, Meta(ge=0, lt=1 << 16)] = 0
 
 
+class ShardLayout(Struct, frozen=True, forbid_unknown_fields=True):
+    """The worker's shard geometry, whole (``integration/geometry.py``
+    ``ShardGeometry``: rank, size, block size, ownership rule, axis)."""
+
+    rank: Annotated[int, Meta(ge=0, lt=MAX_READERS)]
+    size: Annotated[int, Meta(ge=1, le=MAX_READERS)]
+    block_size: Annotated[int, Meta(ge=1, le=1 << 16)]
+    rule: ShortStr
+    axis: ShortStr = "tp"
+
+    @classmethod
+    def of(cls, geometry) -> "ShardLayout":
+        return cls(rank=geometry.rank, size=geometry.size, block_size=geometry.block_size,
+                   rule=geometry.rule, axis=geometry.axis)
+
+
 class Handshake(Struct, forbid_unknown_fields=True):
     """A prefill rank's cache layout (one entry per registered cache)."""
 
     engine_id: Annotated[str, Meta(max_length=MAX_ID_CHARS)]
-    rank: Annotated[int, Meta(ge=0, lt=MAX_READERS)]
-    shard_size: Annotated[int, Meta(ge=1, le=MAX_READERS)]
-    block_size: Annotated[int, Meta(ge=1, le=1 << 16)]
-    ownership_rule: ShortStr
+    shard: ShardLayout
     num_blocks: Annotated[int, Meta(ge=1, le=1 << 31)]
     block_bytes: Annotated[list[Annotated[int, Meta(ge=1, lt=1 << 32)]],
                            Meta(max_length=MAX_CACHES)]
@@ -380,9 +393,6 @@ class SideChannelServer:
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def _loop(self) -> None:
         poller = zmq.Poller()

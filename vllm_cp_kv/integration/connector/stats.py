@@ -50,6 +50,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics, KVConnectorStats)
 
+from ..geometry import group_size_of
 from .counters import DECODE_KEYS, PREFILL_KEYS, merge, totals
 
 SECONDS_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -137,8 +138,9 @@ class ShardedKVPromMetrics(KVConnectorPromMetrics):
         if kv is not None and kv.is_kv_consumer:
             roles.append(("decode", parallel.tensor_parallel_size))
         if kv is not None and kv.is_kv_producer:
-            roles.append(("prefill", max(parallel.decode_context_parallel_size,
-                                         parallel.tensor_parallel_size)))
+            # every rank serves: the shard group's, or (unsharded) the TP ranks
+            shard = group_size_of(vllm_config)
+            roles.append(("prefill", shard if shard > 1 else parallel.tensor_parallel_size))
         for idx in per_engine_labelvalues:
             for role, ranks in roles:
                 for rank in range(ranks):

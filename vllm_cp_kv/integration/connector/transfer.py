@@ -331,8 +331,9 @@ def read_owned_blocks(transport: Transport, manifests: dict[int, list[tuple[int,
     """READ every rank's owned blocks (checked manifests) into their local
     slots, one batched read per rank, runs consecutive on both sides merged;
     ``peers[r]`` has the rank's ``layer_addrs`` and ``transport_meta``.
-    ``before_rank(r)``: called before rank r's read (a test hook pauses
-    there); ``start_by[r]``: see ``Transport.read``.
+    ``before_rank(r)``: the caller's callback before rank r's read (the
+    harness's P/D hooks pause a pull there, ``scripts/gpu/onegpu/pd_hooks.py``);
+    ``start_by[r]``: see ``Transport.read``.
     Returns the number of read descriptors issued."""
     num_descs = 0
     for r, entries in manifests.items():

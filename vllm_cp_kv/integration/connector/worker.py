@@ -21,9 +21,8 @@ import torch
 from .config import ConnectorConfig
 from .consumer import Consumer
 from .counters import TransferCounters
-from .params import RULE
 from .producer import Producer
-from .side_channel import Handshake, TransportMeta
+from .side_channel import Handshake, ShardLayout, TransportMeta
 from .transfer import make_transport
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
@@ -42,19 +41,20 @@ class WorkerSide:
         self.device: torch.device | None = None  # where the registered caches live
 
     @classmethod
-    def start(cls, cfg: ConnectorConfig, caches: list[torch.Tensor], rank: int, engine_id: str,
-              shard_size: int, block_size: int, tp_size: int, is_producer: bool,
-              is_consumer: bool) -> WorkerSide:
+    def start(cls, cfg: ConnectorConfig, caches: list[torch.Tensor], geometry, rank: int,
+              engine_id: str, tp_size: int, is_producer: bool, is_consumer: bool
+              ) -> WorkerSide:
         """Register the caches with the transport; a prefill rank starts
-        serving its side channel on ``cfg.host:cfg.port + rank``. ``rank``:
-        the shard rank on the prefill (vLLM's DCP group: the TP rank when
-        sharding over TP, the PCP rank under PCP), the TP rank on the decode."""
+        serving its side channel on ``cfg.host:cfg.port + rank``.
+        ``geometry``: the worker's ``ShardGeometry`` (sent whole in the
+        handshake); ``rank``: the shard rank on a sharded prefill, the TP
+        rank on the decode (``connector.side_rank``)."""
         for t in caches:
             assert t.is_contiguous(), "ShardedKVConnector needs contiguous caches"
         transport = make_transport(cfg.transport, cfg.host)
         handshake = Handshake(
-            engine_id=str(engine_id or ""), rank=rank, shard_size=shard_size,
-            block_size=block_size, ownership_rule=RULE, num_blocks=caches[0].shape[0],
+            engine_id=str(engine_id or ""), shard=ShardLayout.of(geometry),
+            num_blocks=caches[0].shape[0],
             # one entry per registered cache, each with its own page size (the
             # MLA latent; for sparse models also the indexer K/scale cache)
             block_bytes=[t[0].numel() * t.element_size() for t in caches],
@@ -64,11 +64,11 @@ class WorkerSide:
         side.counters = TransferCounters(rank)
         side.device = caches[0].device
         if is_producer:
-            side.producer = Producer(rank, shard_size, block_size, handshake, cfg.expiry_s,
-                                     side.event.set, transport, side.counters)
+            side.producer = Producer(handshake, cfg.expiry_s, side.event.set, transport,
+                                     side.counters)
             side.producer.serve(cfg.host, cfg.port + rank, cfg.secret)
             logger.info("cp_kv connector: prefill rank %d/%d serves %s, side channel on %s:%d "
-                        "(%s)", rank, shard_size, cfg.transport, cfg.host, cfg.port + rank,
+                        "(%s)", rank, geometry.size, cfg.transport, cfg.host, cfg.port + rank,
                         "HMAC secret set" if cfg.secret else "no shared secret")
         if is_consumer:
             side.consumer = Consumer(handshake, transport, cfg.timeout_s, cfg.secret, tp_size,

@@ -1,7 +1,7 @@
 """Test and GPU-check harness: run vLLM offline generation once and write a
-JSON result (not part of the package: it carries test hooks).
+JSON result (not part of the package: it carries verification aids).
 
-Usage: python tests/run_vllm.py MODEL OUT_JSON [--tp N] [--pcp N]
+Usage: python harness/run_vllm.py MODEL OUT_JSON [--tp N] [--pcp N]
            [--shard] [--cp-kv JSON] [--block-size N] [--backend NAME]
            [--max-num-batched-tokens N] [--gpu-mem F] [--poison]
            [--corrupt-after-prefill] [--no-plugin] [--stats] [--waves 2]
@@ -22,7 +22,8 @@ import argparse
 import json
 import os
 
-from vllm_cp_kv.tools.pd_offline import prefix_cache_counters
+from vllm_cp_kv.tools.offline import (build_llm, engine_kwargs, prefix_cache_counters,
+                                      spec_decode_counters)
 from vllm_cp_kv.tools.tiny_model import prompts, token_prompts
 
 SENTINEL = 1234.0  # exactly representable in bf16
@@ -82,15 +83,13 @@ def _install_indexer_dump(worker, path):
     from vllm.forward_context import get_forward_context
     from vllm.models.deepseek_v32 import attention
 
-    from vllm_cp_kv.integration.runtime import get_runtime
-
     inner, done = attention.sparse_attn_indexer, set()
     ctx = worker.vllm_config.compilation_config.static_forward_context
 
-    def view_of(cache, made):
+    def view_of(cache, made, layer):
         # sharded: the runtime's full view (a memo hit, or one gather that
         # every rank makes here, in the same order)
-        return cache if made is None else get_runtime(cache.shape[1]).materialize(made, cache)
+        return cache if made is None else made.runtime.materialize(made, cache, layer)
 
     def dump(*args, **kwargs):
         out = inner(*args, **kwargs)
@@ -111,9 +110,10 @@ def _install_indexer_dump(worker, path):
             made = getattr(m, "cp_kv", None)
             seq = int(m.decode.seq_lens.reshape(-1)[0])
             blocks = m.decode.block_table[0, : -(-seq // kv.shape[1])].long()
-            latent = ctx[prefix.replace(".indexer.k_cache", ".attn")].kv_cache
-            torch.save({"seq_len": seq, "blocks": view_of(kv, made)[blocks].cpu(),
-                        "latent": view_of(latent, made)[blocks].cpu()},
+            attn = prefix.replace(".indexer.k_cache", ".attn")
+            latent = ctx[attn].kv_cache
+            torch.save({"seq_len": seq, "blocks": view_of(kv, made, prefix)[blocks].cpu(),
+                        "latent": view_of(latent, made, attn)[blocks].cpu()},
                        f"{path}.rank{rank}.pt")
         return out
 
@@ -128,7 +128,6 @@ def _install_sorted_topk(worker):
     sparse kernels sum in that order, so two identical runs differ in the
     last bits; with the order fixed, sharded and unsharded runs can be
     compared token for token. Installed in both runs of a comparison."""
-    import torch
     from vllm.models.deepseek_v32 import attention
 
     inner = attention.sparse_attn_indexer
@@ -158,14 +157,15 @@ def _cache_shapes(worker):
     return [[list(c.shape), str(c.dtype)] for c in _caches(worker)]
 
 
-def _corrupt_one_owned_block(worker):
-    """Overwrite the first written block of layer 0 on shard rank 1 (after a
-    prefill, or between waves: a cached block)."""
+def _corrupt_one_owned_block(worker, layer: int = 0):
+    """Overwrite the first written block of cache ``layer`` (0: the first
+    layer; -1: the last, an MTP model's draft layer) on shard rank 1 (after
+    a prefill, or between waves: a cached block)."""
     from vllm.distributed.parallel_state import get_dcp_group
 
     if get_dcp_group().rank_in_group != 1:
         return None
-    cache = _caches(worker)[0]
+    cache = _caches(worker)[layer]
     blocks = cache.reshape(cache.shape[0], -1, cache.shape[-1])
     written = (blocks != _sentinel(cache)).any(dim=-1).any(dim=-1).nonzero().flatten()
     block = int(written[0])
@@ -182,41 +182,36 @@ def _last_token_stats(worker):
     return None if mgr is None else getattr(mgr, "cp_kv_stats", None)
 
 
-def run(a) -> dict:
-    from vllm import LLM, SamplingParams
-
-    kw = dict(model=a.model, tokenizer=a.model, dtype=a.dtype,
-              tensor_parallel_size=a.tp, max_model_len=a.max_model_len,
-              max_num_seqs=a.max_num_seqs, seed=0, enforce_eager=not a.cuda_graphs)
-    if a.pcp > 1:
-        kw["prefill_context_parallel_size"] = a.pcp
-    if a.dcp > 1:
-        kw["decode_context_parallel_size"] = a.dcp
-    if a.gpu_mem:
-        kw.update(gpu_memory_utilization=a.gpu_mem, disable_custom_all_reduce=True)
-    if a.kv_bytes:  # no memory profiling (ranks that share one GPU)
-        kw["kv_cache_memory_bytes"] = a.kv_bytes
-    if a.block_size:
-        kw["block_size"] = a.block_size
-    if a.backend:
-        kw["attention_config"] = {"backend": a.backend}
+def engine_options(a) -> dict:
+    """The options of :func:`vllm_cp_kv.tools.offline.engine_kwargs`."""
+    kw = dict(tp=a.tp, pcp=a.pcp, dcp=a.dcp, dtype=a.dtype, gpu_mem=a.gpu_mem,
+              kv_bytes=a.kv_bytes,  # no memory profiling (ranks that share one GPU)
+              block_size=a.block_size, backend=a.backend, eager=not a.cuda_graphs,
+              shard=a.shard, cp_kv=json.loads(a.cp_kv) if a.cp_kv else None,
+              # vLLM 0.32's CPU rotary kernel is wrong for MLA (docs/design.md);
+              # --kernel-rope keeps it (a negative control)
+              rope="kernel" if a.kernel_rope else "torch" if a.torch_rope else None,
+              max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs)
     if a.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = a.max_num_batched_tokens
     if a.kv_cache_dtype:
         kw["kv_cache_dtype"] = a.kv_cache_dtype
-    if a.torch_rope:  # vLLM 0.32's CPU rotary kernel is wrong for MLA (docs/design.md)
-        kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
-    if a.kernel_rope:  # keep vLLM's CPU rotary kernel (a negative control)
-        kw["compilation_config"] = {"custom_ops": ["all", "+rotary_embedding"]}
-    if a.shard or a.cp_kv:
-        kw["additional_config"] = {"cp_kv": {"enable": True,
-                                             **json.loads(a.cp_kv or "{}")}}
+    if a.spec:
+        kw["speculative_config"] = json.loads(a.spec)
+    if a.waves > 1 or a.spec:
+        kw["disable_log_stats"] = False  # vLLM's prefix-cache and spec-decode counters
     if a.waves > 1:
-        kw["disable_log_stats"] = False  # vLLM's prefix-cache counters
         kw["enable_prefix_caching"] = True
     elif a.no_prefix_caching:
         kw["enable_prefix_caching"] = False
-    llm = LLM(**kw)
+    return kw
+
+
+def run(a) -> dict:
+    from vllm import SamplingParams
+
+    options = engine_options(a)
+    llm = build_llm(a.model, **options)
     vllm_config = llm.llm_engine.vllm_config
     cache_config = vllm_config.cache_config
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens,
@@ -237,7 +232,7 @@ def run(a) -> dict:
 
     parallel = vllm_config.parallel_config
     res: dict = {"shard": a.shard, "tp": a.tp, "pcp": a.pcp,
-                 "cp_kv": kw.get("additional_config"),
+                 "cp_kv": engine_kwargs(a.model, **options).get("additional_config"),
                  # tokens the scheduler can hold: one block spans DCP ranks
                  "capacity_tokens": cache_config.num_gpu_blocks * cache_config.block_size
                  * parallel.decode_context_parallel_size,
@@ -262,7 +257,8 @@ def run(a) -> dict:
         for i, p in enumerate(texts):
             engine.add_request(str(i), p, sp)
         engine.step()  # prefill of every request
-        res["corrupted_block"] = llm.collective_rpc(_corrupt_one_owned_block)
+        res["corrupted_block"] = llm.collective_rpc(_corrupt_one_owned_block,
+                                                    args=(a.corrupt_layer,))
         outs = []
         while engine.has_unfinished_requests():
             outs += [o for o in engine.step() if o.finished]
@@ -292,6 +288,8 @@ def run(a) -> dict:
         res["written_rows"] = [[rows for _, rows, _ in layers] for layers in res["written"]]
     if a.stats:
         res["stats"] = llm.collective_rpc("cp_kv_stats")
+    if a.spec:
+        res["spec_decode"] = spec_decode_counters(llm)
     if a.pcp > 1:
         res["last_token"] = llm.collective_rpc(_last_token_stats)
     return res
@@ -376,6 +374,12 @@ def main() -> None:
                          "runs of a comparison; see _install_sorted_topk)")
     ap.add_argument("--poison", action="store_true")
     ap.add_argument("--corrupt-after-prefill", action="store_true")
+    ap.add_argument("--corrupt-layer", type=int, default=0,
+                    help="the cache --corrupt-after-prefill corrupts (-1: the last, "
+                         "an MTP model's draft layer)")
+    ap.add_argument("--spec", default=None,
+                    help='speculative_config, e.g. \'{"method": "mtp", '
+                         '"num_speculative_tokens": 2}\'; adds vLLM\'s counters')
     ap.add_argument("--token-prompts", default=None,
                     help="comma-separated lengths: prompts of fixed random token ids")
     ap.add_argument("--prompt-seed", type=int, default=0)

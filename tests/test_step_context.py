@@ -1,0 +1,103 @@
+"""One owner of the per-step context (``ShardRuntime.step``): the PCP
+manager records into the open step and never opens or closes one, so a PCP
+step reaches the statistics whatever the order in which vLLM calls the
+manager (the earlier design opened a new batch in ``partition_batch`` and
+closed it in ``restore_for_sampling``: when the sampling ran inside the
+worker's step, as in vLLM's dummy runs, the step was never counted)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import needs_vllm
+
+pytestmark = needs_vllm
+
+
+def _runtime():
+    from vllm_cp_kv.integration.geometry import ShardGeometry
+    from vllm_cp_kv.integration.runtime import ShardRuntime
+
+    group = SimpleNamespace(device_communicator=SimpleNamespace(dist_module=None),
+                            device_group=None)
+    return ShardRuntime(ShardGeometry(rank=0, size=2, block_size=16, axis="pcp"), group,
+                        None)
+
+
+@pytest.fixture
+def pcp_manager(monkeypatch):
+    """A CPKVPCPManager bound to a runner with a runtime, vLLM's own
+    partition and restore replaced by stand-ins (they need a GPU batch)."""
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager
+
+    from vllm_cp_kv.integration import last_token, pcp
+
+    local = SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([4, 7]),
+                            is_padding=torch.zeros(6, dtype=torch.bool))
+    monkeypatch.setattr(PCPManager, "partition_batch", lambda self, b, d: local)
+    monkeypatch.setattr(last_token.LastTokenPCPManager, "restore_for_sampling",
+                        lambda self, h, a: (h, a, None))
+    monkeypatch.setattr(pcp, "rank_token_counts", lambda mgr, sched, pre: [6, 4])
+    runner = SimpleNamespace(cp_kv_runtime=_runtime())
+    mgr = object.__new__(last_token.bound_manager_cls(runner, pcp.CPKVPCPManager))
+    mgr.device = torch.device("cpu")
+    mgr._global_batch = SimpleNamespace(
+        num_reqs=2, num_scheduled_tokens=np.array([9, 1]),
+        idx_mapping_np=np.array([4, 7]), num_computed_tokens_np=np.array([0, 30]),
+        is_prefilling_np=np.array([True, False]))
+    return mgr, runner.cp_kv_runtime
+
+
+def _build(runtime):
+    """What a metadata build adds to the step (a plan; bytes received)."""
+    batch = runtime.batch()
+    batch.plans[(False, False)] = SimpleNamespace(decode=None)
+    batch.has_plans = batch.has_prefill = True
+    batch.bytes += 100
+
+
+@pytest.mark.parametrize("sample_inside_step", [True, False])
+def test_a_pcp_step_reaches_the_statistics(pcp_manager, sample_inside_step):
+    mgr, runtime = pcp_manager
+    with runtime.step() as batch:
+        mgr.partition_batch(None, None)
+        assert batch.pcp_step is not None and batch.pcp_step.keys.tolist() == [4, 7]
+        assert batch.pcp_step.seq_lens.tolist() == [9, 31]
+        assert batch.padding[1].tolist() == [False] * 6 + [False] * 4 + [True] * 2
+        _build(runtime)
+        if sample_inside_step:  # vLLM's dummy runs: execute and sample in one call
+            mgr.restore_for_sampling(torch.zeros(1), None)
+            assert runtime.batch() is batch  # still the step's
+    if not sample_inside_step:  # the engine step: sample_tokens is a second call
+        mgr.restore_for_sampling(torch.zeros(1), None)
+    assert runtime.stats.prefill_steps == 1
+    assert runtime.stats.prefill_bytes == 100
+
+
+def test_a_step_inside_a_step_is_the_same_step_and_dummy_runs_are_not_counted():
+    runtime = _runtime()
+    with runtime.step() as outer:
+        with runtime.step(count=False) as inner:  # a dummy run inside a step
+            assert inner is outer
+            _build(runtime)
+    assert runtime.stats.prefill_steps == 1
+    with runtime.step(count=False):
+        _build(runtime)
+    assert runtime.stats.prefill_steps == 1
+    # outside a step, builds share nothing
+    assert runtime.batch() is not runtime.batch()
+
+
+def test_the_forward_context_finds_the_steps_padding_through_the_metadata():
+    from vllm_cp_kv.integration import plugin
+
+    local, gathered = torch.zeros(4, dtype=torch.bool), torch.ones(8, dtype=torch.bool)
+    batch = SimpleNamespace(padding=(local, gathered))
+    md = {"layer.0": SimpleNamespace(cp_kv=SimpleNamespace(batch=batch)),
+          "other": SimpleNamespace()}
+    assert plugin._recorded_padding(md)[1] is gathered
+    assert plugin._recorded_padding([md])[1] is gathered  # micro-batches
+    assert plugin._recorded_padding({"other": SimpleNamespace()}) is None
+    assert plugin._recorded_padding(None) is None

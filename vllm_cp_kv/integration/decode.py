@@ -1,0 +1,217 @@
+"""The shard-aware decode in vLLM (``cp_kv.decode = "lse"``, the default
+for dense MLA): decode rows attend to this rank's owned blocks only, and the
+ranks' partial outputs are merged by LSE (the math, the torch kernel and the
+merge: ``core/decode.py``). Queries, outputs and LSEs cross ranks, never the
+context.
+
+* :func:`decode_view`: the decode rows' paged view of the owned tokens, made
+  once per batch by :func:`~vllm_cp_kv.integration.planning.plan_batch`.
+  **Rows with several query tokens** (speculative verification, short
+  prefills a backend routes to its decode path) are handled here and only
+  here: every query token becomes a row of its own with its own causal
+  limit (``core.decode.query_token_lens``), so the kernels, the merge and
+  the debug check below see rows of one query token each.
+* :func:`decode_threshold`: the longest row the shard-aware decode takes.
+* :func:`run_gpu`: vLLM's DCP decode as vLLM runs it (its kernel with the
+  LSE on the owned blocks, its merge); :func:`run_cpu`: torch attention
+  with the LSE and a packed all-gather (vLLM's CPU kernels return no LSE
+  and its merge is Triton-only).
+* :func:`check_against_full_view`: the debug check (``VLLM_CP_KV_DEBUG``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from vllm.logger import init_logger
+
+from ..core import debug as core_debug
+from ..core.decode import merge_by_lse, paged_attention_with_lse, query_token_lens
+from ..core.ownership import owned_token_count
+from ..core.plan import plan_materialization
+from . import plugin
+from .planning import host_seq_lens
+
+logger = init_logger("vllm." + __name__)  # under vLLM's log config
+
+
+@dataclass(frozen=True)
+class DecodeView:
+    """Decode rows' view of the persistent cache, one row per query token.
+
+    ``block_table`` is vLLM's shared virtual table (on this rank, column
+    ``c`` holds logical block ``c * N + rank``), its row repeated for each
+    query token of a request, and ``local_lens`` the tokens this rank owns
+    that each query token sees: together a paged sequence of exactly this
+    rank's visible tokens per query token.
+    """
+
+    block_table: torch.Tensor  # [T, C]
+    local_lens: torch.Tensor  # [T] int32
+    max_local_len: int  # host, an upper bound
+    gather_heads: bool  # TP shard group: this rank's queries hold H / N heads
+    query_start_loc: torch.Tensor  # [T + 1] int32 on the device: one query per row
+    query_start_loc_cpu: torch.Tensor  # [T + 1] int32
+    multi_query: bool = False  # some request row had several query tokens
+
+
+def decode_view(common, num_decodes: int, spec, gather_heads: bool) -> DecodeView:
+    """This rank's paged view of the decode rows' owned tokens, one row per
+    query token. The lengths are computed here, on the device and in int32,
+    whichever model runner built the batch (vLLM's V2 runner fills
+    ``dcp_local_seq_lens`` but not its host upper bound, and per request)."""
+    table = common.block_table_tensor[:num_decodes]
+    qsl_cpu = common.query_start_loc_cpu[: num_decodes + 1]
+    query_lens = (qsl_cpu[1:] - qsl_cpu[:-1]).tolist()
+    rows, local = query_token_lens(common.seq_lens[:num_decodes], query_lens, spec)
+    # an upper bound is enough for the kernels' launch sizes (owned counts
+    # grow with the sequence)
+    max_local = int(owned_token_count(host_seq_lens(common)[:num_decodes], spec).max()) \
+        if num_decodes else 0
+    if rows is None:
+        return DecodeView(block_table=table, local_lens=local, max_local_len=max_local,
+                          gather_heads=gather_heads,
+                          query_start_loc=common.query_start_loc[: num_decodes + 1],
+                          query_start_loc_cpu=qsl_cpu)
+    one = torch.arange(rows.numel() + 1, dtype=torch.int32)
+    return DecodeView(block_table=table.index_select(0, rows), local_lens=local,
+                      max_local_len=max_local, gather_heads=gather_heads,
+                      query_start_loc=one.to(table.device), query_start_loc_cpu=one,
+                      multi_query=True)
+
+
+def decode_threshold(vllm_config, inner_threshold: int | None) -> int | None:
+    """Longest row the shard-aware decode takes: a verification row of
+    speculative decoding (vLLM's ``max_decode_query_len``, 1 + the draft
+    tokens), whatever the inner backend's own threshold: its kernel sees
+    rows of one query token only (:func:`decode_view`). FLASH_ATTN_MLA and
+    FLASHMLA route prefills of up to 512 and 128 tokens to their decode
+    path; over a long cached context such a row would read the owned blocks
+    once per query token, so here it is a prefill that reads one full view
+    (as vLLM's DCP lowers the threshold where its kernels cannot mask the
+    layout); CPU_MLA's threshold of 1 would send verification rows to the
+    prefill path, which reads the whole context through the full view."""
+    from vllm.v1.attention.backend import max_decode_query_len
+
+    if inner_threshold is None:
+        return None
+    return max_decode_query_len(vllm_config)
+
+
+def build_local(builder, view: DecodeView, heads_of_ranks: int):
+    """GPU: the decode rows' metadata for this rank's own blocks, as vLLM's
+    DCP builds it (the builder's ``_build_decode`` with the local lengths),
+    one query token per row, sized for the heads of ``heads_of_ranks`` ranks
+    (all H under TP, where the queries are gathered)."""
+    with plugin.builder_heads_of(builder, heads_of_ranks):
+        return builder._build_decode(
+            block_table_tensor=view.block_table, seq_lens_device=view.local_lens,
+            max_seq_len=max(view.max_local_len, 1),
+            query_start_loc_cpu=view.query_start_loc_cpu,
+            query_start_loc_device=view.query_start_loc,
+            num_decode_tokens=view.local_lens.shape[0], max_query_len=1,
+            dcp_tot_seq_lens_device=None)
+
+
+def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_context):
+    """GPU: queries all-gathered over the shard group (TP), vLLM's kernel
+    (``forward_mqa``, the inner impl's) on this rank's owned blocks
+    returning its LSE, vLLM's merge (``cp_lse_ag_out_rs``: all-gather of
+    the LSEs, reduce-scatter of the outputs over heads; under PCP every rank
+    has all heads: ``cp_lse_ag_out_ar``). ``lse_context``: where the kernel
+    returns a float32 LSE (``plugin.float32_decode_lse``)."""
+    from vllm.v1.attention.ops.dcp import cp_lse_ag_out_ar, cp_lse_ag_out_rs
+
+    view = attn_metadata.cp_kv.decode
+    if view.gather_heads:
+        q = runtime.gather_heads(q)
+    # the kernel sees a plain paged sequence (no DCP masking: a decode query
+    # sees every key), and returns its LSE
+    if view.multi_query:  # FLASHMLA shapes its queries by the row count
+        attn_metadata = copy.copy(attn_metadata)
+        attn_metadata.num_decodes = view.local_lens.shape[0]
+    with plugin.impl_returns_decode_lse(impl), lse_context() as float32:
+        out, lse = forward_mqa(q, kv_cache, attn_metadata, layer)
+    lse = float32.get("lse", lse)
+    combine = cp_lse_ag_out_rs if view.gather_heads else cp_lse_ag_out_ar
+    merged = combine(out, lse, runtime.group, is_lse_base_on_e=impl.lse_base_on_e,
+                     seq_lens=view.local_lens, query_start_loc=view.query_start_loc)
+    runtime.count_merge(out, lse)
+    return merged
+
+
+def run_cpu(runtime, q, kv_cache, view: DecodeView, scale: float, v_dim: int):
+    """CPU: partial attention over the owned blocks (torch, with the LSE),
+    merged. Partial outputs cross ranks in the kernel's compute type
+    (float64 for float32 models, else the model's 16-bit type) and the merge
+    accumulates in float32 or wider."""
+    if view.gather_heads:
+        q = runtime.gather_heads(q)
+    out, lse = paged_attention_with_lse(q, kv_cache, view.block_table, view.local_lens,
+                                        scale, v_dim)
+    return combine(runtime, out, lse, view.gather_heads).to(q.dtype)
+
+
+def combine(runtime, out: torch.Tensor, lse: torch.Tensor, split_heads: bool
+            ) -> torch.Tensor:
+    """Merge every rank's partial output by LSE (torch): one all-gather of
+    output and LSE packed as bytes, then the merge of the heads this rank
+    returns (``split_heads``: its ``H / N``, TP; else all)."""
+    spec = runtime.spec
+    _, h, d = out.shape
+    width = d * out.element_size()
+    packed = torch.cat([out.contiguous().view(torch.uint8),
+                        lse.float().unsqueeze(-1).contiguous().view(torch.uint8)], dim=-1)
+    parts = runtime.group.all_gather(packed.unsqueeze(0), dim=0)  # [N, B, H, bytes]
+    runtime.received(parts)
+    if split_heads:
+        h //= spec.size
+        parts = parts[:, :, spec.rank * h:(spec.rank + 1) * h]
+    outs = parts[..., :width].contiguous().view(out.dtype)
+    lses = parts[..., width:].contiguous().view(torch.float32).squeeze(-1)
+    return merge_by_lse(outs, lses)
+
+
+def check_against_full_view(impl, forward_mqa, q, out, attn_metadata, kv_cache,
+                            layer) -> None:
+    """Debug: once per step, the merged decode output of one layer against
+    float32 attention over the materialized full view, and vLLM's own
+    decode kernel on that view against the same reference (rows of one
+    query token each; both errors go to the statistics)."""
+    made = attn_metadata.cp_kv
+    runtime, view = made.runtime, made.decode
+    if made.batch.debug_decode_checked:
+        return
+    made.batch.debug_decode_checked = True
+    # whole lengths: every rank's owned counts, summed
+    lens = runtime.group.all_gather(
+        view.local_lens.reshape(1, -1).long(), dim=0).sum(dim=0).cpu()
+    plan = plan_materialization(runtime.spec, view.block_table, lens)
+    full = runtime.materialize_for_check(plan, kv_cache)
+    q_all = runtime.gather_heads(q, count=False) if view.gather_heads else q
+    ref, _ = paged_attention_with_lse(q_all, full, plan.full_block_table, lens,
+                                      impl.scale, impl.kv_lora_rank)
+    if view.gather_heads:
+        h = out.shape[1]
+        ref = ref[:, runtime.spec.rank * h:(runtime.spec.rank + 1) * h]
+    unsharded = None
+    if made.build_decode is not None and not view.multi_query:
+        md = copy.copy(attn_metadata)
+        md.decode = made.build_decode(
+            block_table_tensor=plan.full_block_table.to(view.block_table.device),
+            seq_lens_device=lens.to(device=view.local_lens.device, dtype=torch.int32),
+            max_seq_len=max(int(lens.max()), 1),
+            query_start_loc_cpu=view.query_start_loc_cpu,
+            query_start_loc_device=view.query_start_loc,
+            num_decode_tokens=lens.numel(), max_query_len=1,
+            dcp_tot_seq_lens_device=None)
+        unsharded = forward_mqa(q, full, md, layer)[0]
+    err, inner_err = core_debug.check_decode_merge(out, ref, runtime.spec, unsharded)
+    runtime.stats.note_decode_check(err, inner_err)
+    if runtime.stats.debug_decode_checks == 1:
+        logger.info("cp_kv: debug: LSE-merged decode equals attention over the "
+                    "materialized full view (largest difference %.3g; vLLM's "
+                    "kernel on that view: %s).", err, inner_err)

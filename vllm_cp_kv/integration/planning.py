@@ -1,0 +1,218 @@
+"""Batch planning: what each step reads through the full view, made once
+per step and shared by every builder and layer of the batch.
+
+* :func:`plan_batch` (called by the sharded metadata builders, the latent's
+  and for sparse models the indexer's) makes the step's :class:`BatchPlan`
+  from vLLM's common attention metadata: the materialization plan of the
+  prefill rows' cached context (``core/plan.py``), the block table
+  translated to the full view, and for the shard-aware decode the decode
+  rows' view of this rank's own blocks (``decode.decode_view``).
+* Under PCP the ranks run different chunks of each prefill but the gather
+  is a collective, so the plan is made from the global batch the PCP
+  manager recorded (:class:`PCPStep`, ``core.plan.plan_split_requests``).
+* The step's :class:`BatchContext` (opened by ``ShardRuntime.step``) holds
+  the plans; a :class:`BatchPlan` rides on the attention metadata
+  (``metadata.cp_kv``) to the layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm.logger import init_logger
+
+from ..core import debug as core_debug
+from ..core.plan import MaterializationPlan, plan_materialization, plan_split_requests
+
+logger = init_logger("vllm." + __name__)  # under vLLM's log config
+
+
+@dataclass(frozen=True)
+class PCPStep:
+    """What the metadata builder needs from the PCP manager for one step:
+    the global batch, so that every rank derives the same plan."""
+
+    keys: np.ndarray  # [G] request-state index of each global request
+    seq_lens: np.ndarray  # [G] tokens each request has after this step
+    is_prefill: np.ndarray  # [G] bool: the request prefills in this step
+    row_keys: np.ndarray  # [R_local] request-state index of each local row
+
+
+@dataclass
+class BatchContext:
+    """Shared state of one engine step, owned by ``ShardRuntime``: the worker
+    opens it in ``execute_model`` and closes it after ``sample_tokens`` (the
+    V2 runner also around its dummy runs); the PCP manager records into it;
+    builders add the current forward's plans (the target model's forward,
+    then each forward of the speculative drafter: ``new_forward``)."""
+
+    pcp_step: PCPStep | None = None
+    # PCP + MoE: (rank-local padding mask, PCP-gathered mask) of this step
+    padding: tuple[torch.Tensor, torch.Tensor] | None = None
+    plans: dict = field(default_factory=dict)  # (whole, prefill_whole) -> BatchPlan
+    has_plans: bool = False  # some forward of the step planned
+    has_prefill: bool = False  # for the statistics: a prefill or a decode step
+    multi_query: bool = False  # some decode row had several query tokens
+    bytes: int = 0  # received from the other ranks in this step
+    debug_decode_checked: bool = False
+
+
+@dataclass
+class BatchPlan:
+    """One batch's reading plan, attached to its attention metadata."""
+
+    runtime: object  # the ShardRuntime that materializes it
+    batch: BatchContext
+    plan: MaterializationPlan | None  # None: nothing to gather
+    full_table: torch.Tensor | None  # rows' full-view block table
+    reads: bool  # host flag, identical on every rank: gather for prefills
+    num_decodes: int = 0
+    decode: object = None  # decode.DecodeView: decode rows use the LSE path
+    # set when the plugin runs the prefill rows itself over the full view
+    # (CPU_MLA with a cached context): (row, query start, query len, seq len)
+    prefill_rows: list | None = None
+    views: dict = field(default_factory=dict)  # layer name -> full view
+    build_decode: object = None  # debug: the builder's _build_decode (vLLM's kernel on a view)
+    prefetcher: object = None  # LayerPrefetcher of this batch (GPU, cp_kv.prefetch)
+
+
+def split_rows(builder, common) -> int:
+    """Decode rows at the front of the batch, exactly as vLLM's MLA builder
+    counts them (the same function and arguments)."""
+    from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
+
+        uniform = getattr(builder, "query_len_support", None) != QueryLenSupport.VARLEN
+    except ImportError:  # pragma: no cover - vLLM moved it
+        uniform = True
+    num_decodes, *_ = split_decodes_and_prefills(
+        common, decode_threshold=builder.reorder_batch_threshold or 1,
+        require_uniform=uniform,
+        treat_short_extends_as_decodes=not getattr(builder, "use_pcp", False))
+    return num_decodes
+
+
+def host_seq_lens(common) -> torch.Tensor:
+    """Sequence lengths on the host. The upper bound avoids a device sync; it
+    is exact for prefill rows, and for decode rows without speculative
+    decoding (with it, rejected drafts make it larger: decode rows read at
+    most that much, and their kernels use the exact device lengths)."""
+    host = getattr(common, "seq_lens_cpu_upper_bound", None)
+    return (host if host is not None else common.seq_lens.cpu()).long()
+
+
+def read_lens(common, num_decodes: int, whole: bool, lse_decode: bool,
+              prefill_whole: bool = False) -> torch.Tensor:
+    """Tokens each request reads through the full view in this step (host).
+
+    Prefill rows read their cached context (their new tokens come straight
+    from the projections), or every token when ``whole`` (sparse attention
+    and the indexer read this step's tokens from the cache too) or
+    ``prefill_whole`` (the plugin's own prefill over the view, ``prefill.py``).
+    Decode rows read their whole sequence, or nothing when they attend to
+    the owned blocks (``lse_decode``).
+    """
+    qsl = common.query_start_loc_cpu.long()
+    q = qsl[1:] - qsl[:-1]
+    seq = host_seq_lens(common)[: q.numel()]
+    lens = (seq if whole or prefill_whole else seq - q).clone()
+    lens[:num_decodes] = 0 if lse_decode else seq[:num_decodes]
+    return lens
+
+
+def prefill_with_context(common, num_decodes: int) -> bool:
+    """Whether a prefill row of the batch continues a cached context."""
+    qsl = common.query_start_loc_cpu.long()
+    q = (qsl[1:] - qsl[:-1])[num_decodes:]
+    return bool((host_seq_lens(common)[num_decodes: num_decodes + q.numel()] > q).any())
+
+
+def prefill_rows(common, num_decodes: int) -> list[tuple[int, int, int, int]]:
+    """Host ``(row, first query token, query tokens, sequence tokens)`` of each
+    prefill row, query tokens counted from the first prefill token."""
+    qsl = common.query_start_loc_cpu.long().tolist()
+    seq = host_seq_lens(common).tolist()
+    base = qsl[num_decodes]
+    return [(i, qsl[i] - base, qsl[i + 1] - qsl[i], int(seq[i]))
+            for i in range(num_decodes, common.num_reqs)]
+
+
+def translated(common, full_table):
+    """``common`` as the unsharded kernels must see it: the full-view block
+    table, and no DCP-local lengths (nothing is DCP-local in the view)."""
+    return dataclasses.replace(common, block_table_tensor=full_table,
+                               dcp_local_seq_lens=None,
+                               dcp_local_seq_lens_cpu_upper_bound=None)
+
+
+def plan_batch(runtime, common, num_decodes: int, *, whole: bool, lse_decode: bool,
+               prefill_whole: bool = False) -> BatchPlan:
+    """The batch's :class:`BatchPlan`, made once per step and shared by every
+    builder of the KV cache group (the MLA latent and, for sparse models,
+    the indexer cache), since they read the same blocks."""
+    from .decode import decode_view
+
+    batch = runtime.batch()
+    key = (whole, prefill_whole)
+    made = batch.plans.get(key)
+    if made is not None:
+        if made.full_table is not None and made.full_table.shape[0] != common.num_reqs:
+            raise RuntimeError("cp_kv: two builds of one step disagree on the "
+                               "batch; stale step state.")
+        return made
+    spec = runtime.spec
+    table = common.block_table_tensor[: common.num_reqs]
+    # Kernels size their index from each request's full length.
+    columns = -(-common.max_seq_len // spec.block_size)
+    batch.has_prefill |= num_decodes < common.num_reqs
+    if batch.pcp_step is not None:
+        plan, full, lens = _plan_pcp(runtime, batch.pcp_step, table, common.num_reqs,
+                                     lse_decode, columns)
+    else:
+        lens = read_lens(common, num_decodes, whole, lse_decode, prefill_whole)
+        plan = plan_materialization(spec, table, lens, min_columns=columns)
+        full = plan.full_block_table
+        if runtime.debug:
+            core_debug.check_owned_writes(
+                spec, common.slot_mapping, table,
+                common.query_start_loc_cpu, common.seq_lens[: common.num_reqs])
+            core_debug.check_plan_covers(plan, table, lens)
+            logger.info_once("cp_kv: debug invariants hold (owned writes, plan "
+                             "coverage).")
+    reads = bool((lens > 0).any())
+    made = BatchPlan(runtime=runtime, batch=batch, plan=plan if reads else None,
+                     full_table=full.to(table.device), reads=reads,
+                     num_decodes=num_decodes)
+    if lse_decode and num_decodes:
+        made.decode = decode_view(common, num_decodes, spec, spec.spans_tp)
+        batch.multi_query |= made.decode.multi_query
+    if prefill_whole:
+        made.prefill_rows = prefill_rows(common, num_decodes)
+    batch.plans[key] = made
+    batch.has_plans = True
+    return made
+
+
+def _plan_pcp(runtime, step: PCPStep, table, num_reqs: int, lse_decode: bool,
+              columns: int):
+    """PCP: the plan of the global batch, whose rows this rank's table holds
+    in its own order (``core.plan.plan_split_requests``)."""
+    if len(step.row_keys) != num_reqs:
+        raise RuntimeError(
+            f"cp_kv: the PCP step recorded {len(step.row_keys)} local "
+            f"rows but the batch has {num_reqs}; stale step state.")
+    reads = step.seq_lens if not lse_decode else step.seq_lens * step.is_prefill
+    lens = torch.from_numpy(reads.astype("int64"))
+    plan, full, global_table = plan_split_requests(
+        runtime.spec, table, step.row_keys, step.keys, lens, min_columns=columns)
+    if runtime.debug:
+        # vLLM's PCP write path gathers new KV across ranks: the owned-writes
+        # check runs on the poisoned-cache tests
+        core_debug.check_plan_covers(plan, global_table, lens)
+    return plan, full, lens

@@ -1,0 +1,96 @@
+"""vLLM's offline ``LLM`` for the tools, the demo, the tests and benchmarks:
+one place that turns the few settings they vary into engine arguments.
+
+``engine_kwargs(model, ...)`` returns the keyword arguments of
+``vllm.LLM``; ``build_llm`` constructs it. What each option sets:
+
+* ``tp``, ``pcp``, ``dcp``: ``tensor_parallel_size``, and the prefill / decode
+  context-parallel sizes where above 1 (``dcp``: vLLM's own DCP, no plugin);
+* ``shard`` / ``cp_kv``: ``additional_config={"cp_kv": {"enable": True,
+  **cp_kv}}`` (``cp_kv``, even ``{}``, also enables);
+* ``gpu_mem``: ``gpu_memory_utilization`` with vLLM's custom all-reduce off
+  (the GPU checks); ``kv_bytes``: ``kv_cache_memory_bytes`` per rank (no
+  memory profiling; on CPU ``VLLM_CPU_KVCACHE_SPACE``, where set, wins);
+* ``rope``: ``"torch"`` runs PyTorch's rope instead of vLLM 0.32's CPU
+  rotary kernel, which is wrong for MLA (CPU runs that must be exact:
+  float32, ``backend="CPU_MLA"``, block size 16); ``"kernel"`` asks for the
+  kernel (a negative control);
+* ``kv_role`` (``kv_producer`` / ``kv_consumer``) with ``kv_extra``: the
+  cp_kv connector (``kv_connector_extra_config``, docs/disaggregated.md);
+* anything else (``max_model_len``, ``enable_prefix_caching``, ...) goes to
+  ``LLM`` as given.
+"""
+
+from __future__ import annotations
+
+ROPE = {"torch": "-rotary_embedding", "kernel": "+rotary_embedding"}
+
+
+def kv_transfer_config(role: str, extra: dict | None = None) -> dict:
+    """vLLM's ``kv_transfer_config`` for the cp_kv connector in ``role``."""
+    return {"kv_connector": "ShardedKVConnector",
+            "kv_connector_module_path": "vllm_cp_kv.integration.connector",
+            "kv_role": role, "kv_connector_extra_config": dict(extra or {})}
+
+
+def engine_kwargs(model: str, *, tp: int = 1, pcp: int = 1, dcp: int = 1,
+                  shard: bool = False, cp_kv: dict | None = None, dtype: str | None = None,
+                  backend: str | None = None, block_size: int | None = None,
+                  kv_bytes: int | None = None, gpu_mem: float | None = None,
+                  rope: str | None = None, eager: bool = True, kv_role: str | None = None,
+                  kv_extra: dict | None = None, **extra) -> dict:
+    """The keyword arguments of ``vllm.LLM`` (see the module docstring)."""
+    kw = dict(model=model, tokenizer=model, tensor_parallel_size=tp, seed=0,
+              enforce_eager=eager)
+    if dtype:
+        kw["dtype"] = dtype
+    if pcp > 1:
+        kw["prefill_context_parallel_size"] = pcp
+    if dcp > 1:
+        kw["decode_context_parallel_size"] = dcp
+    if gpu_mem:
+        kw.update(gpu_memory_utilization=gpu_mem, disable_custom_all_reduce=True)
+    if kv_bytes:
+        kw["kv_cache_memory_bytes"] = kv_bytes
+    if block_size:
+        kw["block_size"] = block_size
+    if backend:
+        kw["attention_config"] = {"backend": backend}
+    if rope:
+        kw["compilation_config"] = {"custom_ops": ["all", ROPE[rope]]}
+    if shard or cp_kv is not None:
+        kw["additional_config"] = {"cp_kv": {"enable": True, **(cp_kv or {})}}
+    if kv_role:
+        kw["kv_transfer_config"] = kv_transfer_config(kv_role, kv_extra)
+    kw.update(extra)
+    return kw
+
+
+def build_llm(model: str, **options):
+    """``vllm.LLM(**engine_kwargs(model, **options))``."""
+    from vllm import LLM
+
+    return LLM(**engine_kwargs(model, **options))
+
+
+def _counters(llm, names) -> dict:
+    """vLLM's own counters ``vllm:<name>`` of an ``LLM``, summed over labels
+    (needs ``disable_log_stats=False``)."""
+    got = dict.fromkeys(names, 0)
+    for m in llm.get_metrics():
+        key = m.name.split(":", 1)[-1]
+        if m.name.startswith("vllm:") and key in got:
+            got[key] += int(m.value)
+    return got
+
+
+def prefix_cache_counters(llm) -> dict:
+    """``{"prefix_cache_queries": q, "prefix_cache_hits": h}`` (tokens)."""
+    return _counters(llm, ("prefix_cache_queries", "prefix_cache_hits"))
+
+
+def spec_decode_counters(llm) -> dict:
+    """vLLM's speculative-decoding counters: drafts, draft tokens, accepted
+    tokens."""
+    return _counters(llm, ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                           "spec_decode_num_accepted_tokens"))
