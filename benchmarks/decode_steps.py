@@ -145,7 +145,7 @@ def report_spec(res: dict, configs: list[str], out_dir: str) -> int:
     fig, ax = pyplot().subplots(figsize=(7, 4.2))
     for k, (name, rows) in enumerate(res["configs"].items()):
         ax.plot([r["context"] for r in rows], [r["tokens_per_s"] for r in rows],
-                marker="o", color=f"C{k}", linestyle="-" if "sharded" in name else "--",
+                marker="o", color=f"C{k}", linestyle="-" if name.startswith("sharded") else "--",
                 label=f"{name} (accepted {rows[0]['acceptance']:.0%})")
     ax.set(xlabel="context (tokens)", ylabel="decode tokens/s (pure decode steps)",
            title=f"DeepSeek MTP, batch {res['batch']}, TP=2, {res['dtype']}")

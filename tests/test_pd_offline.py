@@ -122,3 +122,31 @@ def test_pd_identical_to_single_instance(tiny_dsv2, tmp_path, transport):
         assert second["prefill_prefix_cache_hits"] == full > 0, second
         assert second["received_tokens"] == sorted(second["prompt_lens"]), second
         assert second["identical"] == second["prompts"] == 8, second
+
+
+@pytest.mark.skipif(os.environ.get("VLLM_CP_KV_RUN_PD_E2E") != "1",
+                    reason="opt-in (VLLM_CP_KV_RUN_PD_E2E=1): P/D with MTP, about 2 more "
+                           "minutes on 2 cores")
+def test_pd_with_mtp_on_the_decode(tiny_mtp, tmp_path):
+    """A sharded prefill with MTP (TP=2) feeds an unsharded decode with MTP
+    (TP=1) over NIXL: the decode receives every layer's owned blocks, the
+    MTP layer's included (the bytes are three layers' worth), and gives the
+    tokens of one instance with MTP, its drafts accepted as that instance's."""
+    work = str(tmp_path / "pd-mtp")
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2,
+                       "attention_backend": "CPU_MLA"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_cp_kv.tools.pd_offline", tiny_mtp, work,
+         "--decode-tp", "1", "--dtype", "float32", "--backend", "CPU_MLA",
+         "--block-size", "16", "--num-prompts", "4", "--max-tokens", "24",
+         "--spec", spec, "--port", str(free_port(consecutive=2)), "--timeout", "400"],
+        env={**os.environ, **CPU_ENV}, cwd=ROOT, capture_output=True, text=True,
+        timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(work, "pd_result.json")) as f:
+        res = json.load(f)
+    assert res["rc"] == [0, 0, 0], res
+    assert res["identical"] == res["prompts"] == 4, res
+    assert all(res["checks"].values()), res["checks"]
+    layers = json.load(open(os.path.join(tiny_mtp, "config.json")))["num_hidden_layers"] + 1
+    assert res["page_bytes_all_layers"] == page_bytes(tiny_mtp) * layers // (layers - 1)

@@ -69,7 +69,7 @@ import subprocess
 import sys
 import time
 
-from .offline import build_llm, prefix_cache_counters
+from .offline import build_llm, prefix_cache_counters, spec_decode_counters
 from .tiny_model import prompts, token_prompts
 
 NUM_PROMPTS, MAX_TOKENS = 8, 32
@@ -82,8 +82,9 @@ def _llm(a, role: str):
     kw = dict(tp=a.prefill_tp if role == "prefill" else a.decode_tp, dtype=a.dtype,
               backend=a.backend, block_size=a.block_size, max_model_len=a.max_model_len,
               max_num_seqs=a.max_num_seqs,
-              # vLLM's counters (prefix-cache hits, the connector's transfer figures)
-              disable_log_stats=role == "reference")
+              # vLLM's counters (prefix-cache hits, the connector's transfer
+              # figures; with speculation also the reference's drafts)
+              disable_log_stats=role == "reference" and not a.spec)
     if gpu:
         kw.update(gpu_mem=a.gpu_mem if role == "prefill" else a.decode_gpu_mem,
                   kv_bytes=a.kv_bytes)  # per rank; skips memory profiling
@@ -171,7 +172,8 @@ def _cache_empty(llm, timeout_s: float) -> float | None:
 
 def _page_bytes(llm) -> int:
     """Bytes of one KV block of every layer, from the model config (the MLA
-    latent: kv_lora_rank + qk_rope_head_dim values per token)."""
+    latent: kv_lora_rank + qk_rope_head_dim values per token), the MTP
+    draft layers included."""
     import torch
 
     cfg = llm.llm_engine.vllm_config
@@ -180,14 +182,19 @@ def _page_bytes(llm) -> int:
     if str(cfg.cache_config.cache_dtype).startswith("fp8"):
         dtype = torch.uint8  # one byte per value (not fp8_ds_mla's own page layout)
     width = hf.kv_lora_rank + hf.qk_rope_head_dim
-    return (hf.num_hidden_layers * cfg.cache_config.block_size * width
+    spec = cfg.speculative_config
+    layers = hf.num_hidden_layers + (
+        getattr(hf, "num_nextn_predict_layers", 0) or 0
+        if spec is not None and spec.method == "mtp" else 0)
+    return (layers * cfg.cache_config.block_size * width
             * torch.tensor([], dtype=dtype).element_size())
 
 
 def role_reference(a):
     llm = _llm(a, "reference")
     waves = [_result(llm.generate(w, _sampling(a))) for w in _waves(a, llm)]
-    return {**waves[0], "waves": waves}
+    return {**waves[0], "waves": waves,
+            "spec_decode": spec_decode_counters(llm) if a.spec else None}
 
 
 def role_prefill(a):
@@ -245,6 +252,7 @@ def role_decode(a):
             open(os.path.join(a.workdir, f"wave{k}.done"), "w").close()
         return {**waves[0], "waves": waves, "transfer_metrics": _transfer_metrics(llm),
                 "page_bytes": _page_bytes(llm),
+                "spec_decode": spec_decode_counters(llm) if a.spec else None,
                 "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
                 "cache_empty_after_s": _cache_empty(llm, 30)}
     finally:
@@ -480,6 +488,13 @@ def _summarize(a) -> dict:
         "transfers_counted": metrics["ok"] == n * a.decode_tp and metrics["failed"] == 0,
         "transfer_bytes_exact": metrics["bytes"] == expected_bytes,
     }
+    if a.spec:  # the draft layer's KV arrived: the decode's drafts are accepted as
+        # the reference's (the decode drafts once more per request: its first
+        # step proposes what the reference proposed after its own prefill)
+        out["spec_decode"] = {"reference": r["spec_decode"], "decode": d["spec_decode"]}
+        key = "spec_decode_num_accepted_tokens"
+        out["checks"]["spec_decode_accepted_equal"] = \
+            r["spec_decode"][key] == d["spec_decode"][key]
     if a.waves > 1:
         out["checks"]["prefill_prefix_cache_hit_in_later_waves"] = all(
             w["prefill_prefix_cache_hits"] > 0 for w in waves[1:])
