@@ -229,7 +229,12 @@ def test_row_spec_gpu(tiny_dsv2, monkeypatch):
     monkeypatch.setattr(checks, "_on_gpu", lambda: False)
     for method in ("mtp", "deepseek_mtp", "ngram"):  # allowed on CPU
         checks.check_speculative({"method": method, "num_speculative_tokens": 1})
+    checks.check_speculative({"model": "[ngram]", "num_speculative_tokens": 1})
     checks.check_speculative('{"method": "mtp", "num_speculative_tokens": 1}')  # CLI JSON
+
+
+def test_row_dbo(tiny_dsv2):
+    expect_row("dbo", tiny_dsv2, enable_dbo=True)
 
 
 def test_row_worker_cls(tiny_dsv2):

@@ -41,6 +41,11 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             "with cp_kv, which installs its own worker; remove --worker-cls.")
     if not options.kv_sharding:
         return  # only the last-token gather: vLLM's own layout and checks
+    if getattr(args, "enable_dbo", False):
+        raise CPKVConfigError(
+            "cp_kv: dual-batch overlap (--enable-dbo) is not supported with sharded KV "
+            "(its micro-batches would share one step's plan); remove --enable-dbo or "
+            "disable cp_kv.")
     if args.pipeline_parallel_size > 1:
         raise CPKVConfigError(
             "cp_kv: pipeline parallelism is not supported "
@@ -115,6 +120,7 @@ def check_speculative(speculative_config) -> None:
 
         spec = json.loads(spec)
     method = str(spec.get("method") or spec.get("model") or "")
+    method = "ngram" if method == "[ngram]" else method  # as vLLM reads it
     if method not in SPECULATIVE_METHODS:
         raise CPKVConfigError(
             f"cp_kv: speculative method {method!r} is not supported with sharded KV; "

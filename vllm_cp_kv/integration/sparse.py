@@ -50,9 +50,13 @@ class ShardedIndexerBuilder:
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         common = common_attn_metadata
+        runtime = runtime_of_layers(*self.cp_kv_layers)
+        if runtime is None:
+            raise RuntimeError(f"cp_kv: layers {self.cp_kv_layers[1][:2]} have no shard "
+                               "runtime (ShardedKVWorker.bind_layers did not see them).")
         # the indexer reads every token of the batch, as sparse MLA does
-        made = plan_batch(runtime_of_layers(*self.cp_kv_layers), common,
-                          split_rows(self, common), whole=True, lse_decode=False)
+        made = plan_batch(runtime, common, split_rows(self, common), whole=True,
+                          lse_decode=False)
         metadata = super().build(common_prefix_len, translated(common, made.full_table),
                                  fast_build)
         metadata.cp_kv = made

@@ -94,8 +94,10 @@ class ShardedKVWorker(_PlatformWorker):
 
     def bind_layers(self, runtime: ShardRuntime) -> list[str]:
         """Give every attention layer the runtime (its builders find it
-        there) and every sharded impl its layer name; returns the sharded
-        MLA layers in layer order."""
+        there) and every sharded impl its layer name; returns the target
+        model's sharded MLA layers in layer order (the prefetch order: an
+        MTP draft layer runs in the drafter's forwards, not after the
+        target's last layer)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         layers = self.vllm_config.compilation_config.static_forward_context
@@ -106,7 +108,9 @@ class ShardedKVWorker(_PlatformWorker):
             if bind is not None:
                 bind(name)
                 sharded.append(name)
-        return sorted(sharded, key=extract_layer_index)
+        target = self.vllm_config.model_config.hf_text_config.num_hidden_layers
+        return sorted((n for n in sharded if extract_layer_index(n) < target),
+                      key=extract_layer_index)
 
     def execute_model(self, *args, **kwargs):
         runtime = self.cp_kv_runtime
