@@ -34,7 +34,7 @@ from .geometry import group_size_of
 from .options import debug_enabled, options_of
 from .planning import plan_batch, prefill_with_context, split_rows, translated
 from .prefill import OWN_PREFILL_BACKENDS, prefill_over_view
-from .runtime import runtime_of_layers
+from .runtime import required_runtime
 
 # Backends whose decode metadata is all ``_build_decode`` makes, so that the
 # debug check can run vLLM's kernel on a full view (AMX_MLA adds fields in
@@ -92,10 +92,7 @@ class ShardedBuilder:
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         common, sparse = common_attn_metadata, self.cp_kv_sparse
-        runtime = runtime_of_layers(*self.cp_kv_layers)
-        if runtime is None:
-            raise RuntimeError(f"cp_kv: layers {self.cp_kv_layers[1][:2]} have no shard "
-                               "runtime (ShardedKVWorker.bind_layers did not see them).")
+        runtime = required_runtime(*self.cp_kv_layers)
         # sparse rows all read the full view (``whole``); their decode rows
         # are counted only for the statistics' step kind
         num_decodes = split_rows(self, common)

@@ -107,13 +107,18 @@ def build_local(builder, view: DecodeView, heads_of_ranks: int):
     one query token per row, sized for the heads of ``heads_of_ranks`` ranks
     (all H under TP, where the queries are gathered)."""
     with plugin.builder_heads_of(builder, heads_of_ranks):
-        return builder._build_decode(
-            block_table_tensor=view.block_table, seq_lens_device=view.local_lens,
-            max_seq_len=max(view.max_local_len, 1),
-            query_start_loc_cpu=view.query_start_loc_cpu,
-            query_start_loc_device=view.query_start_loc,
-            num_decode_tokens=view.local_lens.shape[0], max_query_len=1,
-            dcp_tot_seq_lens_device=None)
+        return _one_query_rows(builder._build_decode, view, view.block_table,
+                               view.local_lens, view.max_local_len)
+
+
+def _one_query_rows(build_decode, view: DecodeView, table, lens, max_len: int):
+    """A builder's ``_build_decode`` for the rows of ``view`` (one query
+    token each) over ``table`` with ``lens`` tokens per row."""
+    return build_decode(
+        block_table_tensor=table, seq_lens_device=lens, max_seq_len=max(max_len, 1),
+        query_start_loc_cpu=view.query_start_loc_cpu,
+        query_start_loc_device=view.query_start_loc, num_decode_tokens=lens.shape[0],
+        max_query_len=1, dcp_tot_seq_lens_device=None)
 
 
 def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_context):
@@ -200,14 +205,9 @@ def check_against_full_view(impl, forward_mqa, q, out, attn_metadata, kv_cache,
     unsharded = None
     if made.build_decode is not None and not view.multi_query:
         md = copy.copy(attn_metadata)
-        md.decode = made.build_decode(
-            block_table_tensor=plan.full_block_table.to(view.block_table.device),
-            seq_lens_device=lens.to(device=view.local_lens.device, dtype=torch.int32),
-            max_seq_len=max(int(lens.max()), 1),
-            query_start_loc_cpu=view.query_start_loc_cpu,
-            query_start_loc_device=view.query_start_loc,
-            num_decode_tokens=lens.numel(), max_query_len=1,
-            dcp_tot_seq_lens_device=None)
+        md.decode = _one_query_rows(
+            made.build_decode, view, plan.full_block_table.to(view.block_table.device),
+            lens.to(device=view.local_lens.device, dtype=torch.int32), int(lens.max()))
         unsharded = forward_mqa(q, full, md, layer)[0]
     err, inner_err = core_debug.check_decode_merge(out, ref, runtime.spec, unsharded)
     runtime.stats.note_decode_check(err, inner_err)

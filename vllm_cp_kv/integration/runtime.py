@@ -249,3 +249,13 @@ def runtime_of_layers(vllm_config, layer_names) -> ShardRuntime | None:
     layers = vllm_config.compilation_config.static_forward_context
     return getattr(layers.get(layer_names[0]), "cp_kv_runtime", None) if layer_names \
         else None
+
+
+def required_runtime(vllm_config, layer_names) -> ShardRuntime:
+    """:func:`runtime_of_layers` for a sharded builder, which cannot run
+    without one."""
+    runtime = runtime_of_layers(vllm_config, layer_names)
+    if runtime is None:
+        raise RuntimeError(f"cp_kv: layers {list(layer_names)[:2]} have no shard "
+                           "runtime (ShardedKVWorker.bind_layers did not see them).")
+    return runtime

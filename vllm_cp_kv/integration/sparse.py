@@ -31,7 +31,7 @@ from functools import cache
 from . import plugin
 from .geometry import group_size_of
 from .planning import plan_batch, split_rows, translated
-from .runtime import runtime_of_layers
+from .runtime import required_runtime
 
 
 class ShardedIndexerBuilder:
@@ -50,12 +50,8 @@ class ShardedIndexerBuilder:
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         common = common_attn_metadata
-        runtime = runtime_of_layers(*self.cp_kv_layers)
-        if runtime is None:
-            raise RuntimeError(f"cp_kv: layers {self.cp_kv_layers[1][:2]} have no shard "
-                               "runtime (ShardedKVWorker.bind_layers did not see them).")
         # the indexer reads every token of the batch, as sparse MLA does
-        made = plan_batch(runtime, common, split_rows(self, common), whole=True,
+        made = plan_batch(required_runtime(*self.cp_kv_layers), common, split_rows(self, common), whole=True,
                           lse_decode=False)
         metadata = super().build(common_prefix_len, translated(common, made.full_table),
                                  fast_build)
