@@ -178,8 +178,8 @@ def overlap(rank, n, fn, results, layers=4):
                                     torch.tensor([ctx]))
         bufs = [torch.empty((plan.num_scratch_blocks, BS, 576), device=dev,
                             dtype=torch.bfloat16) for _ in range(2)]
-        pf = LayerPrefetcher(plan, rank, fn, bufs)
-        pf_low = LayerPrefetcher(plan, rank, low_cta_fn, bufs)
+        pf = LayerPrefetcher(rank, fn, bufs)
+        pf_low = LayerPrefetcher(rank, low_cta_fn, bufs)
         # Earlier versions wrote this step's `chunk` new rows into each view
         # (write_new, since removed). A prefetched view holds only what the
         # cache held when its gather started, the cached context, which is
@@ -197,10 +197,10 @@ def overlap(rank, n, fn, results, layers=4):
                 attention()
 
         def prefetched(p=pf):
-            p.start(0, caches[0])
+            p.start(0, plan, caches[0])
             for layer in range(layers):
                 if layer + 1 < layers:
-                    p.start(layer + 1, caches[layer + 1])
+                    p.start(layer + 1, plan, caches[layer + 1])
                 p.wait(layer)
                 attention()
                 p.release(layer)

@@ -81,6 +81,26 @@ def runs() -> dict:
                              True, {})
     r["tp2-prefix-shard"] = ("moe", tp2 + fa + WAVES + [
         "--shard", "--waves", "3", "--poison", "--corrupt-between-waves"], True, DEBUG)
+    # the bounded scratch: wave 2's hits (up to 8K tokens) read through a
+    # 1,024-token workspace, chunk by chunk; rank 1's 21st block (the
+    # 1,990-token prompt's tokens from 21 x 64) corrupted before wave 3
+    for k, b in BACKENDS.items():
+        r[f"tp2-{k}-chunk"] = ("moe", tp2 + ["--backend", b] + WAVES + [
+            "--shard", "--waves", "3", "--poison", "--corrupt-between-waves",
+            "--corrupt-index", "20", "--stats", "--cp-kv", '{"workspace_tokens": 1024}'],
+            True, DEBUG)
+    r["tp2-FA-chunk-single"] = ("moe", tp2 + fa + WAVES + [
+        "--shard", "--waves", "2", "--stats"], True, DEBUG)
+    # DeepSeek MTP through the V2 runner's speculator (plugin.py item 15):
+    # k = 2 draft tokens (a draft prefill on the target's metadata, then one
+    # chained draft decode step), and k = 1 with FLASH_ATTN_MLA
+    for k, b in BACKENDS.items():
+        for n in (1, 2) if k == "FA" else (2,):
+            spec = ["--spec", json.dumps({"method": "mtp", "num_speculative_tokens": n})]
+            r[f"tp2-{k}-mtp{n}-plain"] = ("mtp", tp2 + ["--backend", b] + GEN + spec
+                                         + ["--no-plugin"], True, {})
+            r[f"tp2-{k}-mtp{n}-shard"] = ("mtp", tp2 + ["--backend", b] + GEN + spec
+                                         + ["--shard", "--poison", "--stats"], True, DEBUG)
     r["tp4-plain"] = ("dense8", tp4 + fa + GEN + ["--no-plugin"], True, {})
     r["tp4-shard"] = ("dense8", tp4 + fa + GEN + ["--shard", "--poison", "--stats"], True, DEBUG)
     r["pcp2-dense-plain"] = ("dense", pcp2 + GEN + ["--no-plugin"], True, {})
@@ -124,7 +144,12 @@ GROUPS = {
     "fp16": ["pd-pcp2-nixl-fp16", "pd-pcp2-nixl-dropped", "tp1-FA-plain-fp16",
              "tp2-FA-plain-fp16", "tp2-FA-shard-fp16"],
 }
-GROUPS["all"] = GROUPS["tp"] + GROUPS["pd"] + GROUPS["pcp"]
+GROUPS["chunk"] = [f"tp2-{k}-chunk" for k in BACKENDS] + ["tp2-FA-chunk-single",
+                                                            "tp2-prefix-plain"]
+GROUPS["mtp"] = [f"tp2-{k}-mtp{n}-{v}" for k in BACKENDS for n in ((1, 2) if k == "FA"
+                                                                    else (2,))
+                 for v in ("shard", "plain")]
+GROUPS["all"] = GROUPS["tp"] + GROUPS["pd"] + GROUPS["pcp"] + GROUPS["chunk"] + GROUPS["mtp"]
 
 
 def model_dir(kind: str) -> str:
@@ -133,6 +158,9 @@ def model_dir(kind: str) -> str:
     gpu_vllm_checks builds it."""
     if kind == "dsv32":
         return checks.model_dir(kind)
+    if kind == "mtp":
+        return tiny_model.build_mtp(os.path.join(checks.MODELS, "onegpu-mtp"),
+                                    gpu_heads=True, max_positions=16384)
     return tiny_model.build(os.path.join(checks.MODELS, "onegpu-" + kind), gpu_heads=True,
                             moe=kind == "moe", heads=8 if kind == "dense8" else 6,
                             max_positions=16384)
@@ -297,6 +325,8 @@ def compare(results) -> dict:
             "hits_unsharded": [w.get("prefix_cache_hits") for w in b["waves"]],
             "corruption_changed_wave3": s["waves"][2]["tokens"] != s["waves"][1]["tokens"],
             "capacity_ratio": round(s["capacity_tokens"] / b["capacity_tokens"], 3)}
+    chunk_check(out, results)
+    mtp_check(out, results)
     c = pair(out, "tp4", results, "tp4-shard", "tp4-plain", 4, 3.9)
     if c:
         c["ok"] = c["ok_capacity_writes_debug"]
@@ -327,6 +357,61 @@ def compare(results) -> dict:
     if c:
         c["ok"] = c["ok_capacity_writes_debug"] and c["same_tokens"]
     return out
+
+
+def chunk_check(out, results) -> None:
+    """The chunked context per backend: wave 2 read in several chunks on
+    both ranks with the debug checks held, hits as the single gather's, the
+    corrupted block changed wave 3; tokens against the unsharded waves and
+    (FLASH_ATTN_MLA) the sharded single gather."""
+    plain, single = _ok(results, "tp2-prefix-plain"), _ok(results, "tp2-FA-chunk-single")
+    for k, b in BACKENDS.items():
+        run = _ok(results, f"tp2-{k}-chunk")
+        if not run:
+            continue
+        stats = [x for x in run["waves"][1]["stats"] if x]
+        hits = [w.get("prefix_cache_hits") for w in run["waves"]]
+        c = out[f"chunk-tp2-{b}"] = {
+            "chunks_wave2": [x["max_context_chunks"] for x in stats],
+            "chunked_steps_wave2": [x["chunked_context_steps"] for x in stats],
+            "hits": hits, "debug_invariants_hold": run["debug_invariants_hold"],
+            "corruption_changed_wave3": run["waves"][2]["tokens"] != run["waves"][1]["tokens"]}
+        if plain:
+            c["agreement_vs_unsharded"] = [
+                agreement(x["tokens"], x["logprobs"], y["tokens"], y["logprobs"])
+                for x, y in zip(run["waves"][:2], plain["waves"][:2])]
+        if single and b == "FLASH_ATTN_MLA":
+            c["agreement_vs_single_gather"] = [
+                agreement(x["tokens"], x["logprobs"], y["tokens"], y["logprobs"])
+                for x, y in zip(run["waves"][:2], single["waves"][:2])]
+            c["hits_single_gather"] = [w.get("prefix_cache_hits") for w in single["waves"]]
+        c["ok"] = (len(stats) == 2 and min(c["chunks_wave2"]) > 1 and hits[1] > 0
+                   and c["debug_invariants_hold"] and c["corruption_changed_wave3"])
+
+
+def mtp_check(out, results) -> None:
+    """MTP on the V2 runner: sharded vs unsharded TP=2 with the same draft
+    count, debug checks held, verification rows through the shard-aware
+    decode; tokens and vLLM's spec-decode counters side by side (bf16)."""
+    for k, b in BACKENDS.items():
+        for n in (1, 2):
+            s, p = _ok(results, f"tp2-{k}-mtp{n}-shard"), _ok(results, f"tp2-{k}-mtp{n}-plain")
+            if not s:
+                continue
+            stats = [x for x in s.get("stats") or [] if x]
+            c = out[f"mtp{n}-tp2-{b}"] = {
+                "spec_decode_sharded": s.get("spec_decode"),
+                "spec_decode_unsharded": (p or {}).get("spec_decode"),
+                "debug_invariants_hold": s["debug_invariants_hold"],
+                "multi_query_decode_steps": [x.get("multi_query_decode_steps") for x in stats],
+                "capacity_ratio": round(s["capacity_tokens"] / p["capacity_tokens"], 3)
+                if p else None}
+            if p:
+                c["agreement"] = agreement(s["tokens"], s["logprobs"], p["tokens"],
+                                           p["logprobs"])
+            c["ok"] = bool(c["debug_invariants_hold"] and stats and all(
+                (m or 0) > 0 for m in c["multi_query_decode_steps"]) and p
+                and (s.get("spec_decode") or {}).get("spec_decode_num_drafts", 0) > 0)
 
 
 def pd_check(out, name, pd):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import os
 
 from vllm_cp_kv.tools.offline import (build_llm, engine_kwargs, prefix_cache_counters,
@@ -157,10 +158,13 @@ def _cache_shapes(worker):
     return [[list(c.shape), str(c.dtype)] for c in _caches(worker)]
 
 
-def _corrupt_one_owned_block(worker, layer: int = 0):
-    """Overwrite the first written block of cache ``layer`` (0: the first
-    layer; -1: the last, an MTP model's draft layer) on shard rank 1 (after
-    a prefill, or between waves: a cached block)."""
+def _corrupt_one_owned_block(worker, layer: int = 0, index: int = 0):
+    """Overwrite the ``index``-th written block (by id; 0: the first) of
+    cache ``layer`` (0: the first layer; -1: the last, an MTP model's draft
+    layer) on shard rank 1 (after a prefill, or between waves: a cached
+    block). On a fresh cache vLLM hands out block ids in order, so the
+    ``index``-th block holds the first request's column ``index``: logical
+    block ``N * index + 1``, tokens from ``(N * index + 1) * block_size``."""
     from vllm.distributed.parallel_state import get_dcp_group
 
     if get_dcp_group().rank_in_group != 1:
@@ -168,7 +172,7 @@ def _corrupt_one_owned_block(worker, layer: int = 0):
     cache = _caches(worker)[layer]
     blocks = cache.reshape(cache.shape[0], -1, cache.shape[-1])
     written = (blocks != _sentinel(cache)).any(dim=-1).any(dim=-1).nonzero().flatten()
-    block = int(written[0])
+    block = int(written[index])
     gen = __import__("torch").Generator().manual_seed(0)
     blocks[block] = (__import__("torch").randn(blocks[block].shape, generator=gen)
                      * 4).to(blocks.dtype)
@@ -322,11 +326,14 @@ def run_waves(llm, prompts_, sp, a, res):
     outs = None
     for k in range(a.waves):
         if k == a.waves - 1 and a.corrupt_between_waves:
-            res["corrupted_block"] = llm.collective_rpc(_corrupt_one_owned_block)
+            res["corrupted_block"] = llm.collective_rpc(
+                _corrupt_one_owned_block, args=(0, a.corrupt_index))
         before = prefix_cache_counters(llm)
+        start = time.perf_counter()
         outs = llm.generate(first if k == 0 else later, sp)
+        seconds = time.perf_counter() - start
         after = prefix_cache_counters(llm)
-        res["waves"].append({**summarize(outs), **{
+        res["waves"].append({**summarize(outs), "seconds": seconds, **{
             key: after[key] - before[key] for key in after}})
         if a.stats:  # this wave's totals per rank
             res["waves"][-1]["stats"] = llm.collective_rpc("cp_kv_stats",
@@ -389,6 +396,8 @@ def main() -> None:
                     help=">= 2: the prompts, then each with a new suffix (prefix caching)")
     ap.add_argument("--suffix-len", type=int, default=24)
     ap.add_argument("--corrupt-between-waves", action="store_true")
+    ap.add_argument("--corrupt-index", type=int, default=0,
+                    help="--corrupt-between-waves: the index-th written block on rank 1")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="GPU: vLLM's default CUDA graphs instead of eager")

@@ -91,6 +91,7 @@ def run_generate(model, out_dir, name, *args, env=None, timeout=600):
     """Run harness/run_vllm.py in a fresh process; return its JSON."""
     out = os.path.join(out_dir, f"{name}.json")
     full_env = {**os.environ, **CPU_ENV, **(env or {})}
+    full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset
     proc = subprocess.run(
         [sys.executable, RUNNER, model, out, *args],
         env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

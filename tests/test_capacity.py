@@ -54,3 +54,56 @@ def test_user_cap():
               shard_size=2, block_size=BS, max_num_seqs=16, max_model_len=512)
     assert scratch_blocks_bound(cap_blocks=10, **kw) == 10
     assert scratch_blocks_bound(cap_blocks=11, **kw) == 10  # a multiple of N
+
+
+# DeepSeek-V3 shapes: 61 layers, bf16 latent of 576, block 64, 64 GiB per rank
+DSV3 = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61,
+        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16",
+        "max_position_embeddings": 163840}
+
+
+def capacity_json(tmp_path, *args):
+    import json
+
+    from vllm_cp_kv.tools import cli
+
+    (tmp_path / "config.json").write_text(json.dumps(DSV3))
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["capacity", "--model", str(tmp_path), "--kv-memory-gib", "64",
+                         "--block-size", "64", "--dtype", "bfloat16", "--max-model-len",
+                         "131072", "--max-num-seqs", "256", "--json", *args]) == 0
+    return json.loads(out.getvalue())
+
+
+@pytest.mark.parametrize("n,goal", [(2, 1.97), (4, 3.92), (8, 7.80)])
+def test_chunked_workspace_capacity_at_deepseek_v3_shapes(tmp_path, n, goal):
+    """The bounded scratch: the arithmetic by hand (1% of the budget, a
+    multiple of N), and the ratio at least vLLM DCP's public figures."""
+    got = capacity_json(tmp_path, "--tp", str(n))
+    page, budget, layers = 64 * 576 * 2, 64 * 2**30, 61
+    scratch = budget // (100 * page)
+    scratch -= scratch % n
+    assert got["scratch_blocks"] == scratch
+    assert got["unsharded"] == budget // (layers * page) * 64
+    assert got["sharded"] == (budget - scratch * page) // (layers * page) * 64 * n
+    assert got["ratio"] >= goal, got
+    # negative control: the whole view (what the worker reserved before) falls short
+    whole = capacity_json(tmp_path, "--tp", str(n), "--decode", "materialize")
+    assert whole["ratio"] < goal and whole["scratch_blocks"] > 3 * scratch
+
+
+def test_workspace_option_and_floor():
+    from vllm_cp_kv.core.capacity import workspace_blocks
+
+    kw = dict(available_bytes=24 * 2**20, page_bytes=16 * 576 * 4, block_size=16)
+    assert workspace_blocks(shard_size=2, workspace_tokens=100, **kw) == 7
+    assert workspace_blocks(shard_size=8, workspace_tokens=16, **kw) == 8  # one block a rank
+    # 1% of 24 MiB is 6 blocks: the floor of 4 blocks per rank wins
+    assert workspace_blocks(shard_size=2, **kw) == 8
+    bound = scratch_blocks_bound(num_layers=2, shard_size=2, max_num_seqs=12,
+                                 max_model_len=4096, chunked=True, **{
+                                     k: v for k, v in kw.items()})
+    assert bound == 8

@@ -16,6 +16,15 @@ view (with CPU_MLA, by the plugin's own prefill).
 Negative control: a third wave repeats wave 2 after one cached block owned
 by shard rank 1 was overwritten: the hit is read, so the output changes.
 
+Bounded scratch (``core.plan.chunk_ranges``): the sharded run reads its
+cached context through a 64-token workspace, so wave 2's contexts of
+500-1000 tokens take 8-16 chunks per layer, each gathered, read by vLLM's
+own context-chunk attention and merged by LSE; the corrupted block is
+tokens 336-351 of the first prompt, chunk 6 of its context. The third run
+keeps the default workspace (1% of the KV budget, here 8 blocks) at the
+same 24 MiB per rank as the reference: its engine must hold at least 1.9x
+the reference's tokens (before the bound, 1.20x at this budget).
+
 Decode rows with several query tokens (``core/decode.py``): a third run,
 sharded, has the harness's verification shim (scripts/gpu/onegpu/patches.py,
 no. 8) that sends every row of up to 64 new tokens down the decode path, as
@@ -35,23 +44,30 @@ from conftest import harness_env, needs_vllm, run_generate
 pytestmark = needs_vllm
 PROMPTS = "530,610,700,810,900,1000,1,40"  # the corrupted block (the lowest id) is a hit
 ARGS = ("--dtype", "float32", "--backend", "CPU_MLA", "--max-model-len", "2048",
-        "--token-prompts", PROMPTS, "--max-tokens", "24", "--suffix-len", "24")
+        "--token-prompts", PROMPTS, "--max-tokens", "24", "--suffix-len", "24",
+        "--kv-bytes", str(24 * 2**20), "--max-num-seqs", "12")
+KV = {"VLLM_CPU_KVCACHE_SPACE": None}  # unset: --kv-bytes, not the environment's GiB
+WORKSPACE = 64  # tokens: 4 blocks of 16, 2 per rank
+CORRUPT = 10  # rank 1's 11th block: logical block 21 of the first prompt
 
 
 @pytest.fixture(scope="module")
 def runs(held_out, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("prefix"))
     return {
-        "ref": run_generate(held_out, d, "ref", *ARGS, "--torch-rope", "--waves", "2"),
+        "ref": run_generate(held_out, d, "ref", *ARGS, "--torch-rope", "--waves", "2",
+                            env=KV),
         "on": run_generate(held_out, d, "on", *ARGS, "--shard", "--waves", "3",
-                           "--poison", "--corrupt-between-waves",
-                           env={"VLLM_CP_KV_DEBUG": "1"}),
+                           "--poison", "--corrupt-between-waves", "--corrupt-index",
+                           str(CORRUPT), "--stats",
+                           "--cp-kv", f'{{"workspace_tokens": {WORKSPACE}}}',
+                           env={"VLLM_CP_KV_DEBUG": "1", **KV}),
         "multi": run_generate(held_out, d, "multi", *ARGS, "--shard", "--waves", "2",
                               "--stats", env=SHIM),
     }
 
 
-SHIM = {"VLLM_CP_KV_DEBUG": "1", **harness_env(CPKV_SHIM_DECODE_THRESHOLD="64")}
+SHIM = {"VLLM_CP_KV_DEBUG": "1", **KV, **harness_env(CPKV_SHIM_DECODE_THRESHOLD="64")}
 
 
 def test_sharded_run_keeps_prefix_caching_on(runs):
@@ -87,9 +103,30 @@ def test_debug_checks_held_with_cache_hits(runs):
     assert "cp_kv: debug invariants hold" in runs["on"]["log"]
 
 
+def test_context_was_read_in_chunks(runs):
+    """Wave 2's hits of 512-992 tokens through 64-token chunks; both ranks
+    planned the same chunks."""
+    stats = [s for s in runs["on"]["waves"][1]["stats"] if s]
+    assert len(stats) == 2 and stats[0]["max_context_chunks"] == stats[1]["max_context_chunks"]
+    assert all(s["chunked_context_steps"] >= 1 for s in stats), stats
+    assert stats[0]["max_context_chunks"] >= 1000 // WORKSPACE, stats
+    assert "the chunked context's workspace" in runs["on"]["log"]
+
+
+def test_capacity_at_a_small_budget(runs):
+    """The default workspace at 24 MiB per rank: >= 1.9x the reference."""
+    ratio = runs["multi"]["kv_cache_tokens"] / runs["ref"]["kv_cache_tokens"]
+    assert ratio >= 1.9, ratio
+
+
 def test_a_corrupted_cached_block_changes_the_next_hit(runs):
+    """The corrupted block lies in a later chunk of the first prompt's
+    context (tokens ``(2 * CORRUPT + 1) * 16`` on, chunk
+    ``(2 * CORRUPT + 1) * 16 // WORKSPACE``): the first prompt's answer changes."""
     on = runs["on"]
     assert on["corrupted_block"][1] is not None
+    assert (2 * CORRUPT + 1) * 16 // WORKSPACE >= 5
+    assert on["waves"][2]["tokens"][0] != on["waves"][1]["tokens"][0]
     wave2, wave3 = on["waves"][1], on["waves"][2]
     assert wave3["prefix_cache_hits"] > 0
     assert wave3["tokens"] != wave2["tokens"]

@@ -249,6 +249,8 @@ def test_row_bad_option(tiny_dsv2):
     expect_row("bad-option", tiny_dsv2, additional_config={"cp_kv": True})
     expect_row("bad-option", tiny_dsv2, additional_config={"cp_kv": {"enable": True,
                                                                      "max_scratch_blocks": -1}})
+    expect_row("bad-option", tiny_dsv2, additional_config={"cp_kv": {"enable": True,
+                                                                     "workspace_tokens": "8k"}})
 
 
 def platform_block_size(model):

@@ -4,10 +4,15 @@ sharded and not (``vllm-cp-kv capacity``)."""
 from __future__ import annotations
 
 
-def scratch_blocks_bound(*, available_bytes: int, page_bytes: int,
-                         num_layers: int, shard_size: int, block_size: int,
-                         max_num_seqs: int, max_model_len: int,
-                         cap_blocks: int = 0) -> int:
+# Default workspace of the chunked context: 1% of the KV budget, and at
+# least 4 blocks per rank (a chunk of a few blocks per rank moves little).
+WORKSPACE_BUDGET_DIVISOR = 100
+MIN_WORKSPACE_BLOCKS_PER_RANK = 4
+
+
+def whole_view_blocks(*, available_bytes: int, page_bytes: int, num_layers: int,
+                      shard_size: int, block_size: int, max_num_seqs: int,
+                      max_model_len: int) -> int:
     """Scratch blocks (one layer's full view) that no batch can exceed.
 
     A batch reads at most ``max_num_seqs`` requests of ``max_model_len``
@@ -18,26 +23,68 @@ def scratch_blocks_bound(*, available_bytes: int, page_bytes: int,
         by_seqs  = shard_size * max_num_seqs * per_req
         # scratch <= shard_size * (available - scratch) / (layers * page)
         by_bytes = available * shard_size // ((layers + shard_size) * page)
-
-    Args:
-        available_bytes: KV budget of this rank before the scratch is taken.
-        page_bytes: bytes of one block of one layer.
-        cap_blocks: optional user cap (0 = none).
-    Returns:
-        Blocks, a multiple of ``shard_size``.
     """
     per_req = -(-(-(-max_model_len // block_size)) // shard_size)
     by_seqs = shard_size * max_num_seqs * per_req
     by_bytes = available_bytes * shard_size // ((num_layers + shard_size) * page_bytes)
-    blocks = min(by_seqs, by_bytes)
+    return min(by_seqs, by_bytes)
+
+
+def workspace_blocks(*, available_bytes: int, page_bytes: int, shard_size: int,
+                     block_size: int, workspace_tokens: int = 0) -> int:
+    """Scratch blocks of the chunked context (prefill rows read their cached
+    context in chunks of this many blocks of one layer, ``core.plan.
+    chunk_ranges``): ``workspace_tokens`` if given, else 1% of the budget,
+    and never fewer than one block per rank (each chunk must make progress).
+    New tokens never pass through it (they come from the projections)."""
+    if workspace_tokens:
+        blocks = -(-workspace_tokens // block_size)
+    else:
+        blocks = max(available_bytes // (WORKSPACE_BUDGET_DIVISOR * page_bytes),
+                     MIN_WORKSPACE_BLOCKS_PER_RANK * shard_size)
+    return max(blocks, shard_size)
+
+
+def scratch_blocks_bound(*, available_bytes: int, page_bytes: int,
+                         num_layers: int, shard_size: int, block_size: int,
+                         max_num_seqs: int, max_model_len: int,
+                         cap_blocks: int = 0, chunked: bool = False,
+                         workspace_tokens: int = 0) -> int:
+    """Scratch blocks the worker reserves per cache layout and buffer.
+
+    ``chunked`` (dense MLA with the shard-aware decode on backends whose
+    prefill merges context chunks by LSE): the workspace
+    (:func:`workspace_blocks`), which does not grow with the cache; else
+    (sparse models, ``decode: materialize``, PCP, AMX_MLA) the whole view
+    (:func:`whole_view_blocks`). Never more than the whole view, nor than
+    ``cap_blocks`` (0 = no cap).
+
+    Args:
+        available_bytes: KV budget of this rank before the scratch is taken.
+        page_bytes: bytes of one block of one layer.
+    Returns:
+        Blocks, a multiple of ``shard_size`` (at least ``shard_size`` when
+        chunked).
+    """
+    blocks = whole_view_blocks(
+        available_bytes=available_bytes, page_bytes=page_bytes, num_layers=num_layers,
+        shard_size=shard_size, block_size=block_size, max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len)
+    if chunked:
+        blocks = min(blocks, workspace_blocks(
+            available_bytes=available_bytes, page_bytes=page_bytes,
+            shard_size=shard_size, block_size=block_size,
+            workspace_tokens=workspace_tokens))
     if cap_blocks:
         blocks = min(blocks, cap_blocks)
-    return blocks - blocks % shard_size
+    blocks -= blocks % shard_size
+    return max(blocks, shard_size) if chunked else blocks
 
 
 def logical_capacity_tokens(*, budget_bytes: int, page_bytes: int, num_layers: int,
                             block_size: int, shard_size: int, max_num_seqs: int,
-                            max_model_len: int, cap_blocks: int = 0) -> dict:
+                            max_model_len: int, cap_blocks: int = 0,
+                            chunked: bool = True, workspace_tokens: int = 0) -> dict:
     """Tokens a KV budget per rank holds, unsharded and sharded, with the
     arithmetic vLLM's engine uses (whole blocks of every layer) and the
     plugin's scratch taken out of the sharded budget first.
@@ -46,6 +93,9 @@ def logical_capacity_tokens(*, budget_bytes: int, page_bytes: int, num_layers: i
         budget_bytes: KV memory per rank.
         page_bytes: one block of one layer, every cache of the layer summed
             (latent; sparse models: plus the indexer's keys and scales).
+        chunked: the scratch is the chunked context's workspace (dense
+            models); False: the whole view (sparse models and the other
+            cases of :func:`scratch_blocks_bound`).
     Returns:
         ``{"unsharded": tokens, "sharded": tokens, "scratch_blocks": n,
         "ratio": sharded / unsharded}``.
@@ -55,7 +105,8 @@ def logical_capacity_tokens(*, budget_bytes: int, page_bytes: int, num_layers: i
     scratch = scratch_blocks_bound(
         available_bytes=budget_bytes, page_bytes=page_bytes, num_layers=num_layers,
         shard_size=shard_size, block_size=block_size, max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len, cap_blocks=cap_blocks)
+        max_model_len=max_model_len, cap_blocks=cap_blocks, chunked=chunked,
+        workspace_tokens=workspace_tokens)
     sharded = (budget_bytes - scratch * page_bytes) // per_block * block_size * shard_size
     return {"unsharded": unsharded, "sharded": sharded, "scratch_blocks": scratch,
             "ratio": sharded / unsharded if unsharded else float("inf")}

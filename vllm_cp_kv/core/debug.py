@@ -49,17 +49,20 @@ def check_owned_writes(spec: CPShardSpec, slot_mapping: torch.Tensor,
 
 
 def check_plan_covers(plan: MaterializationPlan, block_table: torch.Tensor,
-                      read_lens: torch.Tensor) -> None:
-    """Every block a kernel reads maps to its owner's block in the scratch."""
+                      read_lens: torch.Tensor, first_blocks: torch.Tensor | None = None
+                      ) -> None:
+    """Every block a kernel reads maps to its owner's block in the scratch
+    (``first_blocks``: a context chunk's, see ``plan.plan_materialization``)."""
     spec = plan.spec
     per_rank = plan.blocks_per_rank
     full = plan.full_block_table.cpu().long()
     send = plan.send_block_ids.cpu()
     counts = plan.num_send_blocks.cpu()
     table = block_table.cpu().long()
+    first = [0] * full.shape[0] if first_blocks is None else first_blocks.tolist()
     for i, n_tok in enumerate(read_lens.cpu().tolist()):
-        for j in range(-(-int(n_tok) // spec.block_size)):
-            idx = int(full[i, j])
+        for j in range(first[i], -(-int(n_tok) // spec.block_size)):
+            idx = int(full[i, j - first[i]])
             rank, k = divmod(idx, per_rank)
             owner = spec.owner_of(j)
             want = int(table[i, spec.table_index(j)])
@@ -69,6 +72,26 @@ def check_plan_covers(plan: MaterializationPlan, block_table: torch.Tensor,
                     f"rank {rank}'s block {int(send[rank, k])}, want rank "
                     f"{owner}'s block {want}. The plan is stale or was "
                     "built from another block table.")
+
+
+def check_chunks_cover(chunks: list, block_table: torch.Tensor,
+                       read_lens: torch.Tensor) -> None:
+    """The context chunks (``plan.plan_context_chunks``) read every token
+    of ``read_lens`` exactly once, in order, each through its owner's block."""
+    bs = chunks[0].plan.spec.block_size
+    pos = [0] * len(read_lens)
+    for k, c in enumerate(chunks):
+        for i, (first, n) in enumerate(zip(c.first_blocks.tolist(), c.num_tokens.tolist())):
+            if n:
+                assert first * bs == pos[i], (
+                    f"chunk {k} reads request {i} from token {first * bs}, but "
+                    f"the chunks before it read up to {pos[i]}.")
+                pos[i] += n
+        ends = torch.where(c.num_tokens > 0, c.first_blocks * bs + c.num_tokens, 0)
+        check_plan_covers(c.plan, block_table, ends, c.first_blocks)
+    want = read_lens.cpu().tolist()
+    assert pos == want, (f"the chunks read {pos} tokens per request, the batch "
+                         f"must read {want}.")
 
 
 def plan_fingerprint(plan: MaterializationPlan) -> torch.Tensor:

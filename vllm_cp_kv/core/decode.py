@@ -141,3 +141,23 @@ def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     weights = weights / total.clamp(min=1e-30)
     out = (outs.to(acc) * weights[..., None]).sum(dim=0)
     return out.to(outs.dtype)
+
+
+def merge_two_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                     lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attention outputs of disjoint key sets (two
+    chunks of a prefill's context).
+
+    Args:
+        out_a, out_b: ``[..., D]`` normalized outputs.
+        lse_a, lse_b: ``out.shape[:-1]`` natural-log LSEs (``-inf``: no keys).
+    Returns:
+        ``(out, lse)``: ``out`` in ``out_a``'s dtype (accumulated in float32),
+        ``lse`` float32; a zero output and ``-inf`` where neither had a key.
+    """
+    lse_a, lse_b = lse_a.float(), lse_b.float()
+    lse = torch.logaddexp(lse_a, lse_b)
+    top = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = out_a.float() * (lse_a - top).exp()[..., None] + \
+        out_b.float() * (lse_b - top).exp()[..., None]
+    return out.to(out_a.dtype), lse

@@ -108,63 +108,69 @@ class ScratchPool:
                 f"batch needs {n} scratch blocks but the pool holds "
                 f"{self.capacity_blocks}; the scheduler limits "
                 "(max_num_seqs x max_model_len) were exceeded.")
+        return self.buffer(like, slot)[:n]
+
+    def buffer(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """The whole buffer of ``slot`` for caches shaped like ``like``."""
         key = (tuple(like.shape[1:]), like.dtype, like.device, slot)
         buf = self._buffers.get(key)
         if buf is None:
             buf = torch.empty((self.capacity_blocks, *like.shape[1:]),
                               dtype=like.dtype, device=like.device)
             self._buffers[key] = buf
-        return buf[:n]
+        return buf
 
 
 class LayerPrefetcher:
-    """Gather layer ``l + 1``'s full view on a side stream while layer ``l``
-    computes (GPU). Two scratch buffers alternate between layers.
+    """Gather the next full view on a side stream while the current one is
+    attended to (GPU). Two scratch buffers alternate.
 
-    Lifecycle per batch, on every rank (collectives must match)::
+    Items are numbered in the order the main stream reads them (one per
+    layer; with a chunked context ``layer * chunks + chunk``); item ``i``
+    fills buffer ``i % 2``. Lifecycle per batch, on every rank (collectives
+    must match)::
 
-        pf = LayerPrefetcher(plan, rank, all_gather_into, buffers)
-        pf.start(0, caches[0])
-        for l in range(L):
-            if l + 1 < L:
-                pf.start(l + 1, caches[l + 1])   # overlaps layer l
-            view = pf.wait(l)                    # main stream waits here only
-            ... attention of layer l on ``view`` ...
-            pf.release(l)                        # buffer may be refilled
+        pf = LayerPrefetcher(rank, all_gather_into, buffers)
+        pf.start(0, plan_0, cache_0)
+        for i in range(items):
+            if i + 1 < items:
+                pf.start(i + 1, plan_i1, cache_i1)   # overlaps item i
+            view = pf.wait(i)                        # main stream waits here only
+            ... attention on ``view`` ...
+            pf.release(i)                            # buffer may be refilled
 
-    ``buffers`` are two tensors of at least ``plan.num_scratch_blocks``
-    blocks. A prefetched view holds what the cache held when
-    :meth:`start` ran: plan it for the cached context only (prefill rows
-    read their new tokens from the projections).
+    ``buffers`` are two tensors of at least each plan's
+    ``num_scratch_blocks`` blocks. A prefetched view holds what the cache
+    held when :meth:`start` ran: plan it for the cached context only
+    (prefill rows read their new tokens from the projections).
     """
 
-    def __init__(self, plan: MaterializationPlan, rank: int,
-                 all_gather_into: AllGatherFn, buffers: list[torch.Tensor],
-                 stream: "torch.cuda.Stream | None" = None):
+    def __init__(self, rank: int, all_gather_into: AllGatherFn,
+                 buffers: list[torch.Tensor], stream: "torch.cuda.Stream | None" = None):
         assert len(buffers) == 2, "double buffering needs two buffers"
-        self.plan, self.rank, self.all_gather_into = plan, rank, all_gather_into
+        self.rank, self.all_gather_into = rank, all_gather_into
         self.buffers = buffers
         self.stream = stream or torch.cuda.Stream(device=buffers[0].device)
         self.ready = [torch.cuda.Event(), torch.cuda.Event()]
         self.free = [None, None]  # events: attention done with the buffer
         self.views: dict[int, torch.Tensor] = {}
 
-    def start(self, layer: int, kv_cache: torch.Tensor) -> None:
-        k = layer % 2
+    def start(self, item: int, plan: MaterializationPlan, kv_cache: torch.Tensor) -> None:
+        k = item % 2
         main = torch.cuda.current_stream(kv_cache.device)
         with torch.cuda.stream(self.stream):
             self.stream.wait_stream(main)  # the cache and ids are ready
             if self.free[k] is not None:
                 self.stream.wait_event(self.free[k])
-            self.views[layer] = gather(self.plan, self.rank, kv_cache,
-                                       self.all_gather_into, scratch=self.buffers[k])
+            self.views[item] = gather(plan, self.rank, kv_cache, self.all_gather_into,
+                                      scratch=self.buffers[k])
             self.ready[k].record(self.stream)
 
-    def wait(self, layer: int) -> torch.Tensor:
-        torch.cuda.current_stream().wait_event(self.ready[layer % 2])
-        return self.views.pop(layer)
+    def wait(self, item: int) -> torch.Tensor:
+        torch.cuda.current_stream().wait_event(self.ready[item % 2])
+        return self.views.pop(item)
 
-    def release(self, layer: int) -> None:
+    def release(self, item: int) -> None:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream())
-        self.free[layer % 2] = event
+        self.free[item % 2] = event

@@ -106,7 +106,9 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
                          seq_lens: torch.Tensor,
                          pad_block_id: int = 0,
-                         min_columns: int = 1) -> MaterializationPlan:
+                         min_columns: int = 1,
+                         first_blocks: torch.Tensor | None = None
+                         ) -> MaterializationPlan:
     """Plan the full-view gather for one batch.
 
     Args:
@@ -121,6 +123,10 @@ def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
         pad_block_id: a valid local block id used to pad short rank lists.
         min_columns: least width of ``full_block_table`` (kernels that size
             their index from a request's full length need it).
+        first_blocks: ``[R]`` host int, the first logical block each request
+            reads (a chunk of its context, :func:`plan_context_chunks`);
+            column ``c`` of its ``full_block_table`` row is then logical
+            block ``first_blocks[r] + c``. Default: every request from 0.
     Returns:
         The frozen plan. Each (owner, physical block) pair read by the batch
         appears once, even when several requests share it.
@@ -133,14 +139,17 @@ def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
     device = block_table.device
     n, bs = spec.size, spec.block_size
     lens = seq_lens.to("cpu", torch.int64)
-    nblk = (lens + bs - 1) // bs
+    end = (lens + bs - 1) // bs
     num_reqs = block_table.shape[0]
-    max_nb = int(nblk.max()) if num_reqs else 0
-    if max_nb > block_table.shape[1] * n:
+    first = torch.zeros_like(end) if first_blocks is None else \
+        first_blocks.to("cpu", torch.int64)
+    nblk = (end - first).clamp(min=0)  # blocks each request reads
+    max_end = int(end.max()) if num_reqs else 0
+    if max_end > block_table.shape[1] * n:
         raise ValueError(
-            f"a request reads {max_nb} logical blocks but the block table has "
+            f"a request reads {max_end} logical blocks but the block table has "
             f"only {block_table.shape[1]} columns of {n} blocks each.")
-    width = max(max_nb, min_columns, 1)
+    width = max(int(nblk.max()) if num_reqs else 0, min_columns, 1)
     total = int(nblk.sum())
     full = torch.zeros((num_reqs, width), dtype=torch.int32, device=device)
     if total == 0:
@@ -151,8 +160,8 @@ def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
                                    full_block_table=full, num_logical_blocks=nblk)
     # every (request, logical block) the batch reads, request-major (host)
     req = torch.repeat_interleave(torch.arange(num_reqs), nblk)
-    j = torch.arange(total) - torch.repeat_interleave(torch.cumsum(nblk, 0) - nblk, nblk)
-    req, j = to_device(torch.stack([req, j]), device)
+    col = torch.arange(total) - torch.repeat_interleave(torch.cumsum(nblk, 0) - nblk, nblk)
+    req, col, j = to_device(torch.stack([req, col, col + first[req]]), device)
     owner = spec.owner_of(j)
     phys = block_table[req, spec.table_index(j)].to(torch.int64)
     # distinct (owner, physical block) pairs, sorted: slot = rank within owner
@@ -173,10 +182,89 @@ def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
     send[k_owner, slot] = k_phys  # duplicates write the same id
     index = torch.empty_like(slot)
     index[order] = k_owner * per_rank + slot
-    full[req, j] = index.to(torch.int32)
+    full[req, col] = index.to(torch.int32)
     return MaterializationPlan(spec=spec, send_block_ids=send,
                                num_send_blocks=counts, full_block_table=full,
                                num_logical_blocks=nblk)
+
+
+@dataclass(frozen=True)
+class ContextChunk:
+    """One scratch-sized piece of a batch's cached context (host tensors).
+
+    Attributes:
+        first_blocks: ``[R]`` first logical block each request reads in this
+            chunk (its token ``first_blocks * block_size`` on).
+        num_tokens: ``[R]`` tokens read from there (0: not in this chunk).
+        plan: the chunk's materialization plan (``full_block_table`` column
+            ``c`` is logical block ``first_blocks + c``).
+    """
+
+    first_blocks: torch.Tensor
+    num_tokens: torch.Tensor
+    plan: MaterializationPlan
+
+
+def chunk_ranges(spec: CPShardSpec, read_lens: torch.Tensor, capacity_blocks: int
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split every request's first ``read_lens`` tokens into chunks whose
+    gather fits ``capacity_blocks`` scratch blocks (host arithmetic, the
+    same on every rank).
+
+    A chunk's scratch holds ``N * P`` blocks, ``P`` the most blocks one rank
+    sends; counting each rank's blocks of every request's range (without
+    the dedup of shared blocks, which only lowers it) bounds ``P``, so each
+    chunk takes requests in order, and a request's range up to the block
+    where one rank would exceed ``capacity_blocks // N``. A batch that fits
+    is one chunk: the single gather.
+
+    Returns:
+        ``[(first_blocks [R], num_tokens [R])]`` in reading order.
+    Raises:
+        ValueError: ``capacity_blocks`` is below ``N`` (a chunk could not
+            hold one block of every rank).
+    """
+    n, bs = spec.size, spec.block_size
+    per_rank = capacity_blocks // n
+    if per_rank < 1:
+        raise ValueError(f"a scratch of {capacity_blocks} blocks cannot hold one block "
+                         f"of each of {n} ranks; raise cp_kv.workspace_tokens.")
+    lens = [int(x) for x in read_lens.to("cpu", torch.int64)]
+    chunks, num_reqs = [], len(lens)
+    first, tokens = [0] * num_reqs, [0] * num_reqs
+    used = [0] * n  # blocks each rank sends in the open chunk
+    for r, length in enumerate(lens):
+        start, end = 0, -(-length // bs)
+        while start < end:
+            # whole rounds of N blocks add one to every rank, then one block
+            # at a time while its owner has room
+            take = min(per_rank - max(used), (end - start) // n) * n
+            for k in range(n):
+                used[k] += take // n
+            while start + take < end and used[spec.owner_of(start + take)] < per_rank:
+                used[spec.owner_of(start + take)] += 1
+                take += 1
+            if take:
+                first[r], tokens[r] = start, min(length, (start + take) * bs) - start * bs
+                start += take
+            if start < end:  # the chunk is full
+                chunks.append((torch.tensor(first), torch.tensor(tokens)))
+                first, tokens, used = [0] * num_reqs, [0] * num_reqs, [0] * n
+    if any(tokens) or not chunks:
+        chunks.append((torch.tensor(first), torch.tensor(tokens)))
+    return chunks
+
+
+def plan_context_chunks(spec: CPShardSpec, block_table: torch.Tensor,
+                        read_lens: torch.Tensor, capacity_blocks: int,
+                        min_columns: int = 1) -> list[ContextChunk]:
+    """The plans of :func:`chunk_ranges`: once per batch, each chunk's
+    gather then runs once per layer into the same scratch."""
+    bs = spec.block_size
+    return [ContextChunk(first, tokens, plan_materialization(
+        spec, block_table, torch.where(tokens > 0, first * bs + tokens, 0),
+        min_columns=min_columns, first_blocks=first))
+        for first, tokens in chunk_ranges(spec, read_lens, capacity_blocks)]
 
 
 def plan_split_requests(spec: CPShardSpec, block_table: torch.Tensor,

@@ -9,8 +9,10 @@ TRITON_MLA on GPU; the sparse backends).
 * :class:`ShardedImpl` writes new KV owner-only (vLLM's DCP slot mapping),
   then per layer
   - prefill rows: gathers the planned blocks into the scratch full view and
-    runs the inner kernel unchanged on it (on CPU_MLA with a cached context
-    the plugin's own prefill, ``prefill.py``);
+    runs the inner kernel unchanged on it; a context longer than the scratch
+    (``chunked``) is gathered chunk by chunk, each chunk read by vLLM's own
+    context-chunk attention and the chunks merged by LSE
+    (:meth:`ShardedImpl._compute_prefill_context`);
   - decode rows (``cp_kv.decode = "lse"``, the default for dense MLA): the
     shard-aware decode (``decode.py``). With ``"materialize"`` (and always
     for sparse models) decode rows read the full view too.
@@ -25,6 +27,8 @@ the impl does both where needed.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from functools import cache
 
 import torch
@@ -32,8 +36,8 @@ import torch
 from . import decode, plugin
 from .geometry import group_size_of
 from .options import debug_enabled, options_of
-from .planning import plan_batch, prefill_with_context, split_rows, translated
-from .prefill import OWN_PREFILL_BACKENDS, prefill_over_view
+from ..core.decode import merge_two_by_lse
+from .planning import plan_batch, split_rows, translated
 from .runtime import required_runtime
 
 # Backends whose decode metadata is all ``_build_decode`` makes, so that the
@@ -46,6 +50,13 @@ KERNEL_CHECK_BACKENDS = ("CPU_MLA", "FLASH_ATTN_MLA", "FLASHMLA", "TRITON_MLA")
 # in the merge); around the shard-aware decode they write a float32 LSE.
 FLOAT32_LSE_BACKENDS = ("TRITON_MLA",)
 
+# Backends whose prefill is vLLM's MLACommonBaseImpl.forward_mha: the cached
+# context is read by _compute_prefill_context in chunks merged by LSE, so
+# the plugin can hand it one scratch-sized chunk of the context at a time.
+# AMX_MLA's prefill (cpu_mla_extend) attends to the whole context in one
+# causal pass and returns no LSE: it reads the whole view.
+CHUNKED_CONTEXT_BACKENDS = ("CPU_MLA", "FLASH_ATTN_MLA", "FLASHMLA", "TRITON_MLA")
+
 
 @contextlib.contextmanager
 def _kernel_lse():
@@ -56,6 +67,16 @@ def _kernel_lse():
 def lse_decode_enabled(vllm_config, sparse: bool) -> bool:
     """Decode rows attend to the owned blocks (``cp_kv.decode == "lse"``)."""
     return not sparse and options_of(vllm_config).decode == "lse"
+
+
+def chunked_context_enabled(vllm_config, backend_name: str, sparse: bool) -> bool:
+    """Prefill rows may read their cached context in scratch-sized chunks:
+    dense MLA with the shard-aware decode (decode rows read no view), a
+    backend of :data:`CHUNKED_CONTEXT_BACKENDS`, no PCP (whose prefill rows
+    read this step's tokens of every rank through the view too)."""
+    return (lse_decode_enabled(vllm_config, sparse)
+            and backend_name in CHUNKED_CONTEXT_BACKENDS
+            and vllm_config.parallel_config.prefill_context_parallel_size == 1)
 
 
 class ShardedBuilder:
@@ -86,9 +107,7 @@ class ShardedBuilder:
                 self._reserve_attn_logits_workspace()
         # debug: vLLM's own decode kernel on the full view, for comparison
         self.cp_kv_kernel_check = debug_enabled() and name in KERNEL_CHECK_BACKENDS
-        # vLLM's CPU_MLA prefill cannot read a cached context; with the full
-        # view the plugin can, so it runs such prefills itself (prefill.py)
-        self.cp_kv_own_prefill = name in OWN_PREFILL_BACKENDS
+        self.cp_kv_chunked = chunked_context_enabled(vllm_config, name, self.cp_kv_sparse)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         common, sparse = common_attn_metadata, self.cp_kv_sparse
@@ -96,11 +115,12 @@ class ShardedBuilder:
         # sparse rows all read the full view (``whole``); their decode rows
         # are counted only for the statistics' step kind
         num_decodes = split_rows(self, common)
-        own = self.cp_kv_own_prefill and prefill_with_context(common, num_decodes)
         made = plan_batch(runtime, common, num_decodes, whole=sparse,
-                          lse_decode=self.cp_kv_lse_decode, prefill_whole=own)
+                          lse_decode=self.cp_kv_lse_decode, chunked=self.cp_kv_chunked)
         metadata = super().build(common_prefix_len, translated(common, made.full_table),
                                  fast_build)
+        if made.chunked and metadata.prefill is not None:
+            made.vllm_chunks = self._chunk_metadata(made, common, metadata.prefill)
         if not sparse and metadata.num_decodes != num_decodes:
             raise RuntimeError(
                 f"cp_kv: {num_decodes} decode rows planned but the "
@@ -111,6 +131,39 @@ class ShardedBuilder:
             made.build_decode = self._build_decode  # vLLM's kernel on a view
         metadata.cp_kv = made
         return metadata
+
+    def _chunk_metadata(self, made, common, prefill) -> list:
+        """For each context chunk, the prefill metadata vLLM's context loop
+        reads it with: the chunk's block table (column 0 = the chunk's first
+        block of each row) and vLLM's own chunked-context metadata of the
+        chunk's tokens (vLLM may split a chunk further by its workspace),
+        with a prefill backend prepared for it (FlashInfer and TRT-LLM plan
+        per chunk). None for a chunk no prefill row reads."""
+        from vllm.model_executor.layers.attention.mla_attention import (
+            build_mla_chunked_context_metadata)
+
+        start = made.num_decodes
+        qsl = common.query_start_loc_cpu[start: common.num_reqs + 1]
+        parts = []
+        for chunk in made.chunks:
+            context = build_mla_chunked_context_metadata(
+                context_lens_cpu=chunk.num_tokens[start: common.num_reqs].to(torch.int32),
+                prefill_query_start_loc_cpu=qsl - qsl[0],
+                chunked_prefill_workspace=self.chunked_prefill_workspace,
+                chunked_prefill_workspace_size=self.chunked_prefill_workspace_size,
+                block_size=self.page_size, align_chunk_to_block=True,
+                device=self.device, dcp_world_size=1,
+                dcp_local_block_size=self.page_size,
+                dcp_virtual_block_size=self.page_size)
+            if context is None:
+                parts.append(None)
+                continue
+            table = chunk.plan.full_block_table[start: common.num_reqs].to(self.device)
+            part = dataclasses.replace(prefill, block_table=table, chunked_context=context,
+                                       prefill_backend=prefill.prefill_backend.clone())
+            part.prefill_backend.prepare_metadata(part)
+            parts.append(part)
+        return parts
 
 
 class ShardedImpl:
@@ -131,11 +184,11 @@ class ShardedImpl:
         """The layer this impl serves (its full views are keyed by it)."""
         self.cp_kv_layer = layer_name
 
-    def _full_view(self, kv_cache, made):
+    def _full_view(self, kv_cache, made, chunk: int = 0):
         if self.cp_kv_layer is None:
             raise RuntimeError("cp_kv: a sharded attention impl ran before the worker "
                                "bound it to its layer (ShardedKVWorker.bind_layers).")
-        return made.runtime.materialize(made, kv_cache, self.cp_kv_layer)
+        return made.runtime.materialize(made, kv_cache, self.cp_kv_layer, chunk)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         made = attn_metadata.cp_kv
@@ -159,13 +212,35 @@ class ShardedImpl:
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata,
                     k_scale, output, output_scale=None):
         made = attn_metadata.cp_kv
-        if made.reads:
+        if made.reads and not made.chunked:  # one gather: the whole context
             kv_c_and_k_pe_cache = self._full_view(kv_c_and_k_pe_cache, made)
-        if made.prefill_rows is not None:
-            assert output_scale is None, "no fused output quantization here"
-            return prefill_over_view(self, q, kv_c_and_k_pe_cache, made, output)
         return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache,
                                    attn_metadata, k_scale, output, output_scale)
+
+    def _compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale):
+        """vLLM's context attention (``MLACommonBaseImpl``), over the full view
+        or, when the context is chunked, once per chunk: gather the chunk into
+        the scratch, let vLLM read it with the chunk's metadata
+        (``ShardedBuilder._chunk_metadata``), merge the chunks' outputs by
+        LSE. vLLM then merges the result with the new tokens' attention."""
+        made = attn_metadata.cp_kv
+        if not made.chunked:  # kv_c_and_k_pe_cache is the full view already
+            return super()._compute_prefill_context(q, kv_c_and_k_pe_cache,
+                                                    attn_metadata, k_scale)
+        out = lse = None
+        for k, part in enumerate(made.vllm_chunks):
+            if part is None:  # no prefill row reads this chunk (on every rank)
+                continue
+            view = self._full_view(kv_c_and_k_pe_cache, made, chunk=k)
+            chunk_metadata = copy.copy(attn_metadata)
+            chunk_metadata.prefill = part
+            o, l = super()._compute_prefill_context(q, view, chunk_metadata, k_scale)
+            if out is None:
+                out, lse = o, l
+            else:  # vLLM's LSE is [heads, tokens]
+                out, lse_t = merge_two_by_lse(out, lse.transpose(0, 1), o, l.transpose(0, 1))
+                lse = lse_t.transpose(0, 1).contiguous()
+        return out, lse
 
 
 @cache
@@ -176,7 +251,7 @@ def sharded_backend(inner: type) -> type:
     sparse = bool(getattr(inner, "is_sparse", lambda: False)())  # reads every token
     builder = type(f"ShardedKVBuilder_{name}", (ShardedBuilder, inner.get_builder_cls()),
                    {"cp_kv_inner": inner, "cp_kv_sparse": sparse})
-    impl_attrs = {}
+    impl_attrs = {"cp_kv_backend": name, "cp_kv_sparse": sparse}
     if name in FLOAT32_LSE_BACKENDS:
         impl_attrs["cp_kv_lse_context"] = staticmethod(plugin.float32_decode_lse)
     impl = type(f"ShardedKVImpl_{name}", (ShardedImpl, inner.get_impl_cls()), impl_attrs)

@@ -270,10 +270,9 @@ def keep_prefix_caching(vllm_config, options: CPKVOptions, wanted: bool) -> None
     sharded runs (after the platform hook; ``wanted``: the setting before it).
 
     vLLM turns prefix caching off for MLA on CPU unless the backend is
-    AMX_MLA, because CPU_MLA's prefill cannot attend to a cached context.
-    The sharded backend gathers that context into the full view and runs
-    such prefills itself (``backend.OWN_PREFILL_BACKENDS``), so a cache hit
-    works there too.
+    AMX_MLA. vLLM's CPU MLA prefill does read a cached context (its
+    chunked-context loop with the CPU gather), and the sharded backend hands
+    it that context through the full view, so a cache hit works there too.
     """
     cache = vllm_config.cache_config
     if not (options.kv_sharding and wanted) or cache.enable_prefix_caching:

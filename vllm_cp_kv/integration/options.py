@@ -35,6 +35,11 @@ class CPKVOptions:
     # context); "materialize" gathers the full view as prefill does. Sparse
     # (DeepSeek-V3.2) models always materialize.
     decode: str = "lse"
+    # Tokens of one layer that prefill rows read their cached context
+    # through, chunk by chunk (each chunk gathered, attended to, merged by
+    # LSE); 0 = 1% of the KV budget. Sparse models, decode "materialize",
+    # PCP and AMX_MLA read the whole view at once (docs/design.md).
+    workspace_tokens: int = 0
     # GPU: gather layer l + 1's full view on a side stream while layer l
     # computes (prefill materialization); reserves a second scratch buffer.
     prefetch: bool = False
@@ -62,10 +67,10 @@ class CPKVOptions:
             raise ValueError(
                 f"cp_kv.decode must be one of {list(DECODE_MODES)}, got "
                 f"{raw['decode']!r}.")
-        scratch = raw.get("max_scratch_blocks", 0)
-        if not isinstance(scratch, int) or isinstance(scratch, bool) or scratch < 0:
-            raise ValueError(
-                f"cp_kv.max_scratch_blocks must be an integer >= 0, got {scratch!r}.")
+        for key in ("max_scratch_blocks", "workspace_tokens"):
+            value = raw.get(key, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"cp_kv.{key} must be an integer >= 0, got {value!r}.")
         return cls(**raw)
 
 

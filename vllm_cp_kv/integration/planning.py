@@ -7,6 +7,11 @@ per step and shared by every builder and layer of the batch.
   prefill rows' cached context (``core/plan.py``), the block table
   translated to the full view, and for the shard-aware decode the decode
   rows' view of this rank's own blocks (``decode.decode_view``).
+* Where the backend merges context chunks by LSE (``chunked``), the cached
+  context is planned as chunks that each fit the scratch
+  (``core.plan.plan_context_chunks``); a batch that fits is one chunk, the
+  single gather. Each layer then gathers and attends chunk by chunk
+  (``backend.ShardedImpl._compute_prefill_context``).
 * Under PCP the ranks run different chunks of each prefill but the gather
   is a collective, so the plan is made from the global batch the PCP
   manager recorded (:class:`PCPStep`, ``core.plan.plan_split_requests``).
@@ -26,7 +31,8 @@ import torch
 from vllm.logger import init_logger
 
 from ..core import debug as core_debug
-from ..core.plan import MaterializationPlan, plan_materialization, plan_split_requests
+from ..core.plan import (ContextChunk, MaterializationPlan, plan_context_chunks,
+                         plan_materialization, plan_split_requests)
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
@@ -53,10 +59,11 @@ class BatchContext:
     pcp_step: PCPStep | None = None
     # PCP + MoE: (rank-local padding mask, PCP-gathered mask) of this step
     padding: tuple[torch.Tensor, torch.Tensor] | None = None
-    plans: dict = field(default_factory=dict)  # (whole, prefill_whole) -> BatchPlan
+    plans: dict = field(default_factory=dict)  # whole -> BatchPlan
     has_plans: bool = False  # some forward of the step planned
     has_prefill: bool = False  # for the statistics: a prefill or a decode step
     multi_query: bool = False  # some decode row had several query tokens
+    context_chunks: int = 0  # most chunks a plan of the step read its context in
     bytes: int = 0  # received from the other ranks in this step
     debug_decode_checked: bool = False
 
@@ -67,17 +74,27 @@ class BatchPlan:
 
     runtime: object  # the ShardRuntime that materializes it
     batch: BatchContext
-    plan: MaterializationPlan | None  # None: nothing to gather
-    full_table: torch.Tensor | None  # rows' full-view block table
+    plan: MaterializationPlan | None  # None: nothing to gather, or several chunks
+    full_table: torch.Tensor | None  # rows' full-view block table (first chunk's)
     reads: bool  # host flag, identical on every rank: gather for prefills
     num_decodes: int = 0
     decode: object = None  # decode.DecodeView: decode rows use the LSE path
-    # set when the plugin runs the prefill rows itself over the full view
-    # (CPU_MLA with a cached context): (row, query start, query len, seq len)
-    prefill_rows: list | None = None
-    views: dict = field(default_factory=dict)  # layer name -> full view
+    # the cached context as chunks read one after another (core.plan.ContextChunk;
+    # one chunk: the single gather, ``plan``); None under PCP
+    chunks: list | None = None
+    # GPU, several chunks: each chunk's (block table, vLLM chunked-context metadata)
+    vllm_chunks: list | None = None
+    views: dict = field(default_factory=dict)  # (layer name, chunk) -> full view
     build_decode: object = None  # debug: the builder's _build_decode (vLLM's kernel on a view)
     prefetcher: object = None  # LayerPrefetcher of this batch (GPU, cp_kv.prefetch)
+
+    @property
+    def chunked(self) -> bool:
+        """The context is read in several chunks (each gathered per layer)."""
+        return self.chunks is not None and len(self.chunks) > 1
+
+    def plan_of(self, chunk: int) -> MaterializationPlan:
+        return self.chunks[chunk].plan if self.chunked else self.plan
 
 
 def split_rows(builder, common) -> int:
@@ -107,40 +124,21 @@ def host_seq_lens(common) -> torch.Tensor:
     return (host if host is not None else common.seq_lens.cpu()).long()
 
 
-def read_lens(common, num_decodes: int, whole: bool, lse_decode: bool,
-              prefill_whole: bool = False) -> torch.Tensor:
+def read_lens(common, num_decodes: int, whole: bool, lse_decode: bool) -> torch.Tensor:
     """Tokens each request reads through the full view in this step (host).
 
     Prefill rows read their cached context (their new tokens come straight
     from the projections), or every token when ``whole`` (sparse attention
-    and the indexer read this step's tokens from the cache too) or
-    ``prefill_whole`` (the plugin's own prefill over the view, ``prefill.py``).
+    and the indexer read this step's tokens from the cache too).
     Decode rows read their whole sequence, or nothing when they attend to
     the owned blocks (``lse_decode``).
     """
     qsl = common.query_start_loc_cpu.long()
     q = qsl[1:] - qsl[:-1]
     seq = host_seq_lens(common)[: q.numel()]
-    lens = (seq if whole or prefill_whole else seq - q).clone()
+    lens = (seq if whole else seq - q).clone()
     lens[:num_decodes] = 0 if lse_decode else seq[:num_decodes]
     return lens
-
-
-def prefill_with_context(common, num_decodes: int) -> bool:
-    """Whether a prefill row of the batch continues a cached context."""
-    qsl = common.query_start_loc_cpu.long()
-    q = (qsl[1:] - qsl[:-1])[num_decodes:]
-    return bool((host_seq_lens(common)[num_decodes: num_decodes + q.numel()] > q).any())
-
-
-def prefill_rows(common, num_decodes: int) -> list[tuple[int, int, int, int]]:
-    """Host ``(row, first query token, query tokens, sequence tokens)`` of each
-    prefill row, query tokens counted from the first prefill token."""
-    qsl = common.query_start_loc_cpu.long().tolist()
-    seq = host_seq_lens(common).tolist()
-    base = qsl[num_decodes]
-    return [(i, qsl[i] - base, qsl[i + 1] - qsl[i], int(seq[i]))
-            for i in range(num_decodes, common.num_reqs)]
 
 
 def translated(common, full_table):
@@ -152,14 +150,17 @@ def translated(common, full_table):
 
 
 def plan_batch(runtime, common, num_decodes: int, *, whole: bool, lse_decode: bool,
-               prefill_whole: bool = False) -> BatchPlan:
+               chunked: bool = False) -> BatchPlan:
     """The batch's :class:`BatchPlan`, made once per step and shared by every
     builder of the KV cache group (the MLA latent and, for sparse models,
-    the indexer cache), since they read the same blocks."""
+    the indexer cache), since they read the same blocks.
+
+    ``chunked``: the context may be read in scratch-sized chunks (the
+    backend merges them by LSE)."""
     from .decode import decode_view
 
     batch = runtime.batch()
-    key = (whole, prefill_whole)
+    key = whole
     made = batch.plans.get(key)
     if made is not None:
         if made.full_table is not None and made.full_table.shape[0] != common.num_reqs:
@@ -171,29 +172,37 @@ def plan_batch(runtime, common, num_decodes: int, *, whole: bool, lse_decode: bo
     # Kernels size their index from each request's full length.
     columns = -(-common.max_seq_len // spec.block_size)
     batch.has_prefill |= num_decodes < common.num_reqs
+    chunks = None
     if batch.pcp_step is not None:
         plan, full, lens = _plan_pcp(runtime, batch.pcp_step, table, common.num_reqs,
                                      lse_decode, columns)
     else:
-        lens = read_lens(common, num_decodes, whole, lse_decode, prefill_whole)
-        plan = plan_materialization(spec, table, lens, min_columns=columns)
-        full = plan.full_block_table
+        lens = read_lens(common, num_decodes, whole, lse_decode)
+        if chunked and runtime.pool is not None:
+            chunks = plan_context_chunks(spec, table, lens, runtime.pool.capacity_blocks,
+                                         min_columns=columns)
+        else:
+            chunks = [ContextChunk(torch.zeros_like(lens), lens, plan_materialization(
+                spec, table, lens, min_columns=columns))]
+        plan, full = chunks[0].plan, chunks[0].plan.full_block_table
         if runtime.debug:
             core_debug.check_owned_writes(
                 spec, common.slot_mapping, table,
                 common.query_start_loc_cpu, common.seq_lens[: common.num_reqs])
-            core_debug.check_plan_covers(plan, table, lens)
+            core_debug.check_chunks_cover(chunks, table, lens)
             logger.info_once("cp_kv: debug invariants hold (owned writes, plan "
                              "coverage).")
     reads = bool((lens > 0).any())
-    made = BatchPlan(runtime=runtime, batch=batch, plan=plan if reads else None,
+    if chunks is not None and reads:
+        batch.context_chunks = max(batch.context_chunks, len(chunks))
+    several = chunks is not None and len(chunks) > 1
+    made = BatchPlan(runtime=runtime, batch=batch,
+                     plan=plan if reads and not several else None,
                      full_table=full.to(table.device), reads=reads,
-                     num_decodes=num_decodes)
+                     num_decodes=num_decodes, chunks=chunks)
     if lse_decode and num_decodes:
         made.decode = decode_view(common, num_decodes, spec, spec.spans_tp)
         batch.multi_query |= made.decode.multi_query
-    if prefill_whole:
-        made.prefill_rows = prefill_rows(common, num_decodes)
     batch.plans[key] = made
     batch.has_plans = True
     return made

@@ -42,6 +42,8 @@ class ShardStats:
     last_step_bytes: int = 0
     decode_step_bytes: list = field(default_factory=list)  # the last 256 decode steps
     multi_query_decode_steps: int = 0  # steps whose decode rows had several query tokens
+    chunked_context_steps: int = 0  # steps whose prefill context took several chunks
+    max_context_chunks: int = 0  # the most chunks one step's context took
     # VLLM_CP_KV_DEBUG: the merged decode's largest error against float32
     # attention over the full view, and vLLM's own kernel's on that view
     debug_decode_checks: int = 0
@@ -144,6 +146,8 @@ class ShardRuntime:
     def _count_step(self, batch: BatchContext) -> None:
         s, n, has_prefill = self.stats, batch.bytes, batch.has_prefill
         s.multi_query_decode_steps += batch.multi_query
+        s.chunked_context_steps += batch.context_chunks > 1
+        s.max_context_chunks = max(s.max_context_chunks, batch.context_chunks)
         s.last_step_bytes = n
         if has_prefill:
             s.prefill_steps += 1
@@ -165,25 +169,28 @@ class ShardRuntime:
             self._batch.bytes += n
 
     # ---- materialization ------------------------------------------------
-    def materialize(self, made: BatchPlan, kv_cache: torch.Tensor, layer: str
-                    ) -> torch.Tensor:
-        """Full view of layer ``layer``'s ``kv_cache`` for the batch; gathered
-        once per layer and batch."""
-        full = made.views.get(layer)
+    def materialize(self, made: BatchPlan, kv_cache: torch.Tensor, layer: str,
+                    chunk: int = 0) -> torch.Tensor:
+        """Full view of layer ``layer``'s ``kv_cache`` for the batch (of one
+        chunk of its context when ``made.chunked``); gathered once per layer,
+        chunk and batch. Chunks of a layer share one scratch buffer: read
+        them in order, each before the next is gathered."""
+        full = made.views.get((layer, chunk))
         if full is not None:
             return full
+        plan = made.plan_of(chunk)
         if self.debug:
-            core_debug.check_plan_identical(made.plan, self.group.cpu_group)
+            core_debug.check_plan_identical(plan, self.group.cpu_group)
             logger.info_once("cp_kv: debug invariants hold (identical plans "
                              "across ranks).")
         if self.prefetch and layer in self.layer_of:
-            full = self._prefetched(made, kv_cache, self.layer_of[layer])
+            full = self._prefetched(made, kv_cache, self.layer_of[layer], chunk)
         else:
-            scratch = None if self.pool is None else self.pool.get(made.plan, kv_cache)
-            full = gather(made.plan, self.spec.rank, kv_cache, self.all_gather_into,
+            scratch = None if self.pool is None else self.pool.get(plan, kv_cache)
+            full = gather(plan, self.spec.rank, kv_cache, self.all_gather_into,
                           scratch=scratch)
         self.received(full)
-        made.views[layer] = full
+        made.views[(layer, chunk)] = full
         return full
 
     def materialize_for_check(self, plan: MaterializationPlan, kv_cache: torch.Tensor
@@ -196,26 +203,32 @@ class ShardRuntime:
         self.layer_of = {name: i for i, (name, _) in enumerate(layers)}
         self.layer_caches = [cache for _, cache in layers]
 
-    def _prefetched(self, made: BatchPlan, kv_cache: torch.Tensor, layer: int
-                    ) -> torch.Tensor:
-        """Layer l's view, gathered ahead on a side stream while layer l - 1
-        computed; start layer l + 1's gather now (two scratch buffers).
+    def _prefetched(self, made: BatchPlan, kv_cache: torch.Tensor, layer: int,
+                    chunk: int) -> torch.Tensor:
+        """Item ``layer * chunks + chunk``'s view, gathered ahead on a side
+        stream while the item before it was attended to; start the next
+        item's gather now (two scratch buffers).
 
-        Every rank reaches layer l in the same order, so the side stream's
+        Every rank reads the items in the same order, so the side stream's
         collectives (on the shard group's communicator) match across ranks.
         """
+        count = len(made.chunks) if made.chunked else 1
+        item = layer * count + chunk
         pf = made.prefetcher
         if pf is None:
-            buffers = [self.pool.get(made.plan, kv_cache, slot=k) for k in (0, 1)]
-            pf = made.prefetcher = LayerPrefetcher(
-                made.plan, self.spec.rank, self.all_gather_into, buffers)
-        if layer not in pf.views:
-            pf.start(layer, kv_cache)
-        if layer > 0:
-            pf.release(layer - 1)  # layer l - 1's attention is queued before this
-        if layer + 1 < len(self.layer_caches):
-            pf.start(layer + 1, self.layer_caches[layer + 1])
-        return pf.wait(layer)
+            for k in range(count):  # every chunk fits the pool (raises if not)
+                self.pool.get(made.plan_of(k), kv_cache)
+            buffers = [self.pool.buffer(kv_cache, slot=k) for k in (0, 1)]
+            pf = made.prefetcher = LayerPrefetcher(self.spec.rank, self.all_gather_into,
+                                                   buffers)
+        if item not in pf.views:
+            pf.start(item, made.plan_of(chunk), kv_cache)
+        if item > 0:
+            pf.release(item - 1)  # the item before's attention is queued before this
+        if item + 1 < len(self.layer_caches) * count:
+            nxt = item + 1
+            pf.start(nxt, made.plan_of(nxt % count), self.layer_caches[nxt // count])
+        return pf.wait(item)
 
     # ---- the shard-aware decode's collectives (decode.py) ---------------
     def gather_heads(self, q: torch.Tensor, count: bool = True) -> torch.Tensor:

@@ -53,18 +53,34 @@ class ShardedKVWorker(_PlatformWorker):
         cfg = self.vllm_config
         size = group_size_of(cfg)
         buffers = 2 if self._prefetch() else 1  # layer-ahead prefetch: two views
+        chunked = self._chunked_context()
         blocks = scratch_blocks_bound(
             available_bytes=available // buffers, page_bytes=page_bytes,
             num_layers=len(specs), shard_size=size, block_size=block_size,
             max_num_seqs=cfg.scheduler_config.max_num_seqs,
             max_model_len=cfg.model_config.max_model_len,
-            cap_blocks=options_of(cfg).max_scratch_blocks)
+            cap_blocks=options_of(cfg).max_scratch_blocks, chunked=chunked,
+            workspace_tokens=options_of(cfg).workspace_tokens)
         self._cp_kv_scratch_blocks = blocks
         logger.info(
             "cp_kv: KV shard group of %d ranks; scratch full view of %d x %d blocks "
-            "(%.1f MiB) reserved from a KV budget of %.1f MiB.", size, buffers, blocks,
-            buffers * blocks * page_bytes / 2**20, available / 2**20)
+            "(%.1f MiB, %s) reserved from a KV budget of %.1f MiB.", size, buffers, blocks,
+            buffers * blocks * page_bytes / 2**20,
+            "the chunked context's workspace" if chunked else "the whole view",
+            available / 2**20)
         return available - buffers * blocks * page_bytes
+
+    def _chunked_context(self) -> bool:
+        """Every sharded layer reads its cached context in chunks
+        (``backend.chunked_context_enabled``): the scratch is the workspace."""
+        from .backend import chunked_context_enabled
+
+        layers = self.vllm_config.compilation_config.static_forward_context.values()
+        impls = [layer.impl for layer in layers
+                 if getattr(getattr(layer, "impl", None), "cp_kv_sharded", False)]
+        return bool(impls) and all(
+            chunked_context_enabled(self.vllm_config, impl.cp_kv_backend, impl.cp_kv_sparse)
+            for impl in impls)
 
     def _prefetch(self) -> bool:
         """Layer-ahead prefetch: GPU, dense models (one latent cache a layer)."""

@@ -47,6 +47,15 @@ def model_kv_layout(model_dir: str, dtype: str, kv_cache_dtype: str) -> dict:
             "max_position": cfg.get("max_position_embeddings", 4096)}
 
 
+def chunked_context(layout: dict, a) -> bool:
+    """Whether the worker would reserve the chunked context's workspace
+    (``core.capacity.scratch_blocks_bound``) rather than the whole view:
+    dense models, the shard-aware decode, no PCP, a backend that merges
+    context chunks (not AMX_MLA, which needs block size 32 or more on CPU)."""
+    return not (layout["indexer"] or a.pcp > 1 or a.decode == "materialize"
+                or a.backend == "AMX_MLA")
+
+
 def capacity(a) -> int:
     layout = model_kv_layout(a.model, a.dtype, a.kv_cache_dtype)
     n = shard_group_size(a.tp, a.pcp)
@@ -56,7 +65,8 @@ def capacity(a) -> int:
     got = logical_capacity_tokens(
         budget_bytes=budget, page_bytes=page, num_layers=layout["layers"],
         block_size=a.block_size, shard_size=n, max_num_seqs=a.max_num_seqs,
-        max_model_len=max_len, cap_blocks=a.max_scratch_blocks)
+        max_model_len=max_len, cap_blocks=a.max_scratch_blocks,
+        chunked=chunked_context(layout, a), workspace_tokens=a.workspace_tokens)
     if a.json:
         print(json.dumps({**got, "shard_size": n, "budget_bytes": budget,
                           "bytes_per_token": layout["layers"] * (layout["latent"]
@@ -68,7 +78,8 @@ def capacity(a) -> int:
           f"max_model_len {max_len}, max_num_seqs {a.max_num_seqs}")
     print(f"every rank a full copy:   {got['unsharded']:>14,} tokens")
     print(f"sharded over {n} ranks:     {got['sharded']:>14,} tokens "
-          f"({got['ratio']:.2f}x; scratch {got['scratch_blocks']} blocks of one layer)")
+          f"({got['ratio']:.2f}x; scratch {got['scratch_blocks']} blocks of one layer, "
+          f"{'the chunked context' if chunked_context(layout, a) else 'the whole view'})")
     return 0
 
 
@@ -88,6 +99,12 @@ def main(argv=None) -> int:
     c.add_argument("--max-model-len", type=int, default=None)
     c.add_argument("--max-num-seqs", type=int, default=256)
     c.add_argument("--max-scratch-blocks", type=int, default=0)
+    c.add_argument("--workspace-tokens", type=int, default=0,
+                   help="cp_kv.workspace_tokens (0: 1%% of the KV budget)")
+    c.add_argument("--decode", default="lse", choices=["lse", "materialize"],
+                   help="cp_kv.decode")
+    c.add_argument("--backend", default="",
+                   help="attention backend, if not a GPU one or CPU_MLA (AMX_MLA)")
     c.add_argument("--json", action="store_true")
     k = sub.add_parser("compat", help="check the plugin's vLLM rebindings resolve")
     k.add_argument("--json", action="store_true")

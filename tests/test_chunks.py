@@ -1,0 +1,109 @@
+"""Chunked context reading (bounded scratch) against an independent
+reference: every request's cached context is read chunk by chunk through
+each chunk's plan (one process; every rank's pack concatenated as the
+all-gather would) and must equal, token for token and in order, what the
+reference reads from where vLLM's slot-mapping kernel stored it; no
+chunk's gather may exceed the scratch."""
+
+import random
+
+import pytest
+import torch
+
+from builders import BS, make_batch, spec
+from harness.reference import full_view
+from vllm_cp_kv.core import debug
+from vllm_cp_kv.core.materialize import pack
+from vllm_cp_kv.core.plan import chunk_ranges, plan_context_chunks, plan_materialization
+
+
+def read_by_chunks(n, table, lens, caches, capacity):
+    """Each request's tokens, concatenated over the chunks in order."""
+    chunks = plan_context_chunks(spec(n), table, lens, capacity)
+    got = [[] for _ in range(len(lens))]
+    for c in chunks:
+        assert c.plan.num_scratch_blocks <= capacity
+        scratch = torch.cat([pack(c.plan, r, cache) for r, cache in enumerate(caches)])
+        for i in range(len(lens)):
+            t = int(c.num_tokens[i])
+            if t:
+                assert int(c.first_blocks[i]) * BS == sum(v.shape[0] for v in got[i])
+                blocks = c.plan.full_block_table[i, : -(-t // BS)].long()
+                got[i].append(scratch[blocks].reshape(-1, scratch.shape[-1])[:t])
+    return chunks, [torch.cat(g) if g else caches[0][0, :0] for g in got]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_chunks_read_every_token_once_in_order(seed):
+    rnd = random.Random(seed)
+    n = rnd.choice([1, 2, 3, 4, 8])
+    lens = [rnd.choice([0, 1, 15, 16, 17, 100, 333, 700]) for _ in range(rnd.randint(1, 6))]
+    capacity = rnd.choice([n, 2 * n, 3 * n + 1, 7 * n, 40, 1000])
+    table, lens_t, caches = make_batch(n, lens, seed=seed, num_blocks=400)
+    chunks, got = read_by_chunks(n, table, lens_t, caches, capacity)
+    ref = full_view(table, lens_t, caches, BS, n)
+    for i in range(len(lens)):
+        assert torch.equal(got[i], ref[i]), (i, lens[i])
+    # a batch that fits is one chunk, the single gather of before
+    whole = plan_materialization(spec(n), table, lens_t)
+    if sum(-(-x // BS) for x in lens) <= capacity // n:  # fits whatever the owners
+        assert len(chunks) == 1
+        assert torch.equal(chunks[0].plan.full_block_table, whole.full_block_table)
+
+
+def test_chunks_fill_the_scratch():
+    """Chunks are as large as the scratch allows (not one block at a time):
+    4 ranks, one request of 100 blocks, 40 scratch blocks: 10 blocks per
+    rank per chunk, so three chunks (40, 40, 20 blocks)."""
+    n, capacity = 4, 40
+    ranges = chunk_ranges(spec(n), torch.tensor([100 * BS]), capacity)
+    assert [int(t) // BS for _, t in ranges] == [40, 40, 20]
+    assert [int(f) for f, _ in ranges] == [0, 40, 80]
+
+
+def test_shared_blocks_are_gathered_once_per_chunk():
+    n = 2
+    table, lens, caches = make_batch(n, [128, 128], seed=3, shared_rows=(0, 1, 2))
+    chunks = plan_context_chunks(spec(n), table, lens, 1000)
+    assert len(chunks) == 1 and int(chunks[0].plan.num_send_blocks.sum()) == 16 - 4
+    # split: two requests of 8 blocks in 8-block chunks, still correct
+    chunks, got = read_by_chunks(n, table, lens, caches, 8)
+    assert len(chunks) == 2
+    ref = full_view(table, lens, caches, BS, n)
+    assert all(torch.equal(g, r) for g, r in zip(got, ref))
+
+
+def test_negative_control_a_wrong_first_block_reads_other_tokens():
+    """The check above can fail: shifting one chunk's first block by one
+    reads the wrong tokens."""
+    n = 2
+    table, lens, caches = make_batch(n, [200], seed=5, num_blocks=64)
+    ranges = chunk_ranges(spec(n), lens, 4)
+    first, tokens = ranges[1]
+    bad = plan_materialization(spec(n), table, (first + 1) * BS + tokens,
+                               first_blocks=first + 1)
+    scratch = torch.cat([pack(bad, r, c) for r, c in enumerate(caches)])
+    t = int(tokens[0])
+    got = scratch[bad.full_block_table[0, : -(-t // BS)].long()].reshape(-1, 576)[:t]
+    ref = full_view(table, lens, caches, BS, n)[0]
+    start = int(first[0]) * BS
+    assert not torch.equal(got, ref[start:start + t])
+
+
+def test_scratch_below_one_block_per_rank_is_refused():
+    with pytest.raises(ValueError, match="one block of each of 4 ranks"):
+        chunk_ranges(spec(4), torch.tensor([100]), 3)
+
+
+def test_debug_check_covers_chunks():
+    n = 2
+    table, lens, caches = make_batch(n, [300, 50], seed=7, num_blocks=64)
+    chunks = plan_context_chunks(spec(n), table, lens, 6)
+    debug.check_chunks_cover(chunks, table, lens)
+    first, tokens, plan = chunks[1].first_blocks, chunks[1].num_tokens, chunks[1].plan
+    # negative control: drop a chunk, or claim a chunk reads from block 0
+    with pytest.raises(AssertionError, match="read"):
+        debug.check_chunks_cover(chunks[:1] + chunks[2:], table, lens)
+    shifted = type(chunks[1])(torch.zeros_like(first), tokens, plan)
+    with pytest.raises(AssertionError):
+        debug.check_chunks_cover([chunks[0], shifted] + chunks[2:], table, lens)
