@@ -89,13 +89,19 @@ def runs() -> dict:
             "--shard", "--waves", "3", "--poison", "--corrupt-between-waves",
             "--corrupt-index", "20", "--stats", "--cp-kv", '{"workspace_tokens": 1024}'],
             True, DEBUG)
+    # the layer-ahead prefetch over (layer, chunk) items
+    r["tp2-FA-chunk-prefetch"] = ("moe", tp2 + fa + WAVES + [
+        "--shard", "--waves", "3", "--poison", "--corrupt-between-waves",
+        "--corrupt-index", "20", "--stats", "--cp-kv",
+        '{"workspace_tokens": 1024, "prefetch": true}'], True, DEBUG)
     r["tp2-FA-chunk-single"] = ("moe", tp2 + fa + WAVES + [
         "--shard", "--waves", "2", "--stats"], True, DEBUG)
     # DeepSeek MTP through the V2 runner's speculator (plugin.py item 15):
-    # k = 2 draft tokens (a draft prefill on the target's metadata, then one
-    # chained draft decode step), and k = 1 with FLASH_ATTN_MLA
+    # k = 2 and 3 draft tokens (a draft prefill on the target's metadata,
+    # then one or two chained draft decode steps, each planned anew), and
+    # k = 1 with FLASH_ATTN_MLA
     for k, b in BACKENDS.items():
-        for n in (1, 2) if k == "FA" else (2,):
+        for n in (1, 2, 3) if k == "FA" else (2, 3):
             spec = ["--spec", json.dumps({"method": "mtp", "num_speculative_tokens": n})]
             r[f"tp2-{k}-mtp{n}-plain"] = ("mtp", tp2 + ["--backend", b] + GEN + spec
                                          + ["--no-plugin"], True, {})
@@ -145,9 +151,10 @@ GROUPS = {
              "tp2-FA-plain-fp16", "tp2-FA-shard-fp16"],
 }
 GROUPS["chunk"] = [f"tp2-{k}-chunk" for k in BACKENDS] + ["tp2-FA-chunk-single",
-                                                            "tp2-prefix-plain"]
-GROUPS["mtp"] = [f"tp2-{k}-mtp{n}-{v}" for k in BACKENDS for n in ((1, 2) if k == "FA"
-                                                                    else (2,))
+                                                            "tp2-prefix-plain",
+                                                            "tp2-FA-chunk-prefetch"]
+GROUPS["mtp"] = [f"tp2-{k}-mtp{n}-{v}" for k in BACKENDS for n in ((1, 2, 3) if k == "FA"
+                                                                    else (2, 3))
                  for v in ("shard", "plain")]
 GROUPS["all"] = GROUPS["tp"] + GROUPS["pd"] + GROUPS["pcp"] + GROUPS["chunk"] + GROUPS["mtp"]
 
@@ -365,8 +372,9 @@ def chunk_check(out, results) -> None:
     corrupted block changed wave 3; tokens against the unsharded waves and
     (FLASH_ATTN_MLA) the sharded single gather."""
     plain, single = _ok(results, "tp2-prefix-plain"), _ok(results, "tp2-FA-chunk-single")
-    for k, b in BACKENDS.items():
-        run = _ok(results, f"tp2-{k}-chunk")
+    chunked = _ok(results, "tp2-FA-chunk")
+    for k, b in [*BACKENDS.items(), ("FA", "FLASH_ATTN_MLA-prefetch")]:
+        run = _ok(results, f"tp2-{k}-chunk" + ("-prefetch" if "prefetch" in b else ""))
         if not run:
             continue
         stats = [x for x in run["waves"][1]["stats"] if x]
@@ -385,6 +393,9 @@ def chunk_check(out, results) -> None:
                 agreement(x["tokens"], x["logprobs"], y["tokens"], y["logprobs"])
                 for x, y in zip(run["waves"][:2], single["waves"][:2])]
             c["hits_single_gather"] = [w.get("prefix_cache_hits") for w in single["waves"]]
+        if "prefetch" in b and chunked:  # the same gathers, ahead: the same tokens
+            c["same_tokens_as_without_prefetch"] = [
+                x["tokens"] == y["tokens"] for x, y in zip(run["waves"], chunked["waves"])]
         c["ok"] = (len(stats) == 2 and min(c["chunks_wave2"]) > 1 and hits[1] > 0
                    and c["debug_invariants_hold"] and c["corruption_changed_wave3"])
 
@@ -394,7 +405,7 @@ def mtp_check(out, results) -> None:
     count, debug checks held, verification rows through the shard-aware
     decode; tokens and vLLM's spec-decode counters side by side (bf16)."""
     for k, b in BACKENDS.items():
-        for n in (1, 2):
+        for n in (1, 2, 3):
             s, p = _ok(results, f"tp2-{k}-mtp{n}-shard"), _ok(results, f"tp2-{k}-mtp{n}-plain")
             if not s:
                 continue

@@ -108,6 +108,10 @@ class ShardedBuilder:
         # debug: vLLM's own decode kernel on the full view, for comparison
         self.cp_kv_kernel_check = debug_enabled() and name in KERNEL_CHECK_BACKENDS
         self.cp_kv_chunked = chunked_context_enabled(vllm_config, name, self.cp_kv_sparse)
+        # vLLM's V2 speculator may update draft decode metadata in place
+        # between chained draft steps; the batch plan riding on it would go
+        # stale, so it rebuilds (and replans) each step (plugin.py item 15)
+        self.supports_draft_decode_metadata_update = False
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         common, sparse = common_attn_metadata, self.cp_kv_sparse

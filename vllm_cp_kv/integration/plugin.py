@@ -34,6 +34,8 @@ no.    target (vLLM 0.32)                               installed   scope
 14     the drafter's ``SpecDecodeBaseProposer``:        worker      sharded
        ``build_per_group_and_layer_attn_metadata``,                 drafts
        ``_update_positions_dependent_metadata``
+15     V2 ``DraftModelSpeculator._build_attn_metadata`` worker      sharded
+                                                                    drafts
 =====  ===============================================  ==========  =========
 
 ``REGISTRY`` below lists the same targets as data; ``vllm-cp-kv compat``
@@ -102,6 +104,18 @@ Why each is needed:
     every rank: those slots are recomputed owner-only with vLLM's DCP
     arithmetic (``core.ownership.owned_slot_mapping``, the same as for the
     target's tokens). Inert for drafters whose layers are not sharded.
+15. Speculative decoding (MTP) on GPU, vLLM's V2 runner: its speculator
+    builds the attention metadata of each chained draft step anew
+    (``DraftModelSpeculator._build_attn_metadata``); each such build starts
+    a new forward of the step, so the sharded builders plan that step's
+    batch (one more token per request) instead of reusing the last plan.
+    The draft prefill reuses the target's metadata and plan (same batch,
+    same layout), and the V2 block tables already compute owner-only slots
+    under the DCP layout. The sharded builders also decline vLLM's in-place
+    update of draft decode metadata (``supports_draft_decode_metadata_
+    update``, set in ``backend.ShardedBuilder``): an update in place would
+    leave the step's plan stale. Inert for drafters whose layers are not
+    sharded.
 """
 
 from __future__ import annotations
@@ -524,8 +538,31 @@ def patch_drafter() -> None:
     proposer._update_positions_dependent_metadata = update_positions
 
 
+def patch_v2_speculator() -> None:
+    """Speculative decoding on the V2 runner (item 15)."""
+    if "v2_speculator" in _WORKER_PATCHES:
+        return
+    _WORKER_PATCHES.add("v2_speculator")
+    from vllm.v1.worker.gpu.spec_decode import speculator as sp
+
+    from .runtime import runtime_of_layers
+
+    cls = sp.DraftModelSpeculator
+    orig = cls._build_attn_metadata
+
+    @functools.wraps(orig)
+    def _build_attn_metadata(self, *args, **kwargs):
+        runtime = runtime_of_layers(self.vllm_config,
+                                    sorted(getattr(self, "draft_attn_layer_names", ()) or ()))
+        if runtime is not None:
+            runtime.new_forward()
+        return orig(self, *args, **kwargs)
+
+    cls._build_attn_metadata = _build_attn_metadata
+
+
 def register_worker(vllm_config, v2_runner: bool) -> None:
-    """Items 9, 10 and 14 where they apply: called once by the sharded
+    """Items 9, 10, 14 and 15 where they apply: called once by the sharded
     worker before vLLM builds its model runner and model."""
     if v2_runner:
         patch_forward_context()
@@ -533,7 +570,7 @@ def register_worker(vllm_config, v2_runner: bool) -> None:
                                           "index_topk", None):
         patch_sparse_indexer()
     if _sharding(vllm_config) and vllm_config.speculative_config is not None:
-        patch_drafter()
+        patch_v2_speculator() if v2_runner else patch_drafter()
 
 
 @dataclass(frozen=True)
@@ -605,6 +642,12 @@ REGISTRY = (
                    "vllm.v1.spec_decode.utils:PADDING_SLOT_ID"),
               params=("positions", "common_attn_metadata", "batch_size",
                       "input_batch_size", "block_size")),
+    Rebinding(15, ("vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator",
+                   "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator."
+                   "_build_attn_metadata",
+                   "vllm.v1.attention.backend:AttentionMetadataBuilder."
+                   "supports_draft_decode_metadata_update"),
+              assigns=("draft_attn_layer_names",)),
 )
 
 
