@@ -183,3 +183,48 @@ def test_debug_check_allows_the_kernel_error_twice_and_no_layout_error():
         core_debug.check_decode_merge(ref + 0.15, ref, spec)  # no kernel: 0.15 > 8 eps
     with pytest.raises(AssertionError, match="vLLM's kernel on that view"):
         core_debug.check_decode_merge(ref.roll(1, 0), ref, spec, kernel)  # other rows
+
+
+def _amx_kernel_available() -> bool:
+    try:
+        import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+    except Exception:
+        return False
+    return bool(torch.cpu._is_amx_tile_supported()) and hasattr(
+        torch.ops._C, "decode_attention_cpu")
+
+
+@pytest.mark.skipif(not _amx_kernel_available(),
+                    reason="vLLM's AMX_MLA decode kernel needs a CPU with AMX tiles")
+@pytest.mark.parametrize("n", [2, 4])
+def test_vllms_amx_kernel_gives_the_lse_and_merges(n):
+    """AMX_MLA: vLLM's own decode kernel over each rank's owned blocks, its
+    LSE read from the split-KV workspace (integration/decode.py), merged by
+    LSE, against float64 attention over each whole sequence (bf16 inputs, so
+    bf16 tolerance); rows a rank owns nothing of included. Negative control:
+    the same partial outputs merged without their LSEs (equal weights) are
+    wrong by far more."""
+    from vllm_cp_kv.integration.decode import DecodeView, amx_attention_with_lse, build_local_amx
+
+    lens = [1, 15, 33, 257, 700, 1500]
+    q, table, lens_t, seqs, caches = sharded_batch(n, lens, seed=11 + n)
+    q, caches = q.bfloat16(), [c.bfloat16() for c in caches]
+    outs, lses = [], []
+    for r in range(n):
+        local = owned_token_count(lens_t, CPShardSpec(r, n, BS)).to(torch.int32)
+        view = DecodeView(block_table=table, local_lens=local,
+                          max_local_len=int(local.max()), gather_heads=False,
+                          query_start_loc=torch.arange(len(lens) + 1),
+                          query_start_loc_cpu=torch.arange(len(lens) + 1))
+        o, l = amx_attention_with_lse(q, caches[r], build_local_amx(view, BS), SCALE, V)
+        assert not torch.isnan(o).any()
+        outs.append(o)
+        lses.append(l)
+    good = merge_by_lse(torch.stack(outs), torch.stack(lses))
+    naive = torch.stack(outs).float().mean(dim=0)
+    for i, seq in enumerate(seqs):
+        want, _ = attention(q[i].float(), seq.bfloat16().float(), SCALE, V)
+        err = float((good[i].double() - want).abs().max())
+        assert err < 0.02, (i, err)
+        if lens[i] >= n * BS:  # every rank holds part of it
+            assert float((naive[i].double() - want).abs().max()) > max(5 * err, 0.02), i

@@ -316,3 +316,25 @@ def test_last_token_gather_alone_keeps_vllms_layout(tiny_dsv2):
     assert "-rotary_embedding" not in args.compilation_config.custom_ops
     with pytest.raises(ValueError, match="GPU V2 model runner"):
         check_engine_args(args, CPKVOptions(enable=True))  # CPU: no PCP sharding
+
+
+def test_query_replication_is_derived_on_cpu_except_with_amx(tiny_dsv2, monkeypatch):
+    """CPU, TP shard group: vLLM's --dcp-q-replicate is turned on (the
+    shard-aware decode then skips its query all-gather), unless the user set
+    it or vLLM will pick AMX_MLA (whose absorption packs the rank's heads)."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_cp_kv.integration import checks
+    from vllm_cp_kv.integration.options import CPKVOptions
+
+    def derived(amx: bool, **kw):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=2, **kw)
+        checks.check_engine_args(args, CPKVOptions(enable=True))
+        return args.dcp_q_replicate
+
+    assert derived(amx=False) is True
+    assert derived(amx=True) is None  # AMX_MLA: left as vLLM's default (off)
+    assert derived(amx=True, attention_config={"backend": "CPU_MLA"}) is True
+    assert derived(amx=False, dcp_q_replicate=False) is False  # the user's choice

@@ -76,16 +76,18 @@ def paged_attention_with_lse(q: torch.Tensor, kv_cache: torch.Tensor,
         q: ``[B, H, D]`` absorbed queries (``D`` = latent + rope width).
         kv_cache: ``[num_blocks, block_size, D]`` paged latent cache; the
             values are its first ``v_dim`` columns.
-        block_table: ``[B, C]`` int, physical block of each paged position.
+        block_table: ``[B, C]`` int, physical block of each paged position
+            (entries past a row's length must be valid ids, as vLLM's are).
         seq_lens: ``[B]`` tokens to attend to per row (0 allowed).
     Returns:
         ``out [B, H, v_dim]`` in the compute type below and ``lse [B, H]`` float32
         (natural log; ``-inf`` and a zero output where a row has no token).
 
-    Each row's pages are gathered into one contiguous key block and
-    attended to with PyTorch's fused CPU flash attention, which returns the
-    LSE (the queries' heads are its query positions, the latent is both key
-    and value). 16-bit caches compute in their own type (the kernel
+    The rows' pages are gathered into one padded key block (one
+    ``index_select``) and attended to in one call of PyTorch's fused CPU
+    flash attention, which returns the LSE (the queries' heads are its query
+    positions, the latent is both key and value; positions past a row's
+    length are masked). 16-bit caches compute in their own type (the kernel
     accumulates in float32, as vLLM's CPU MLA decode does); float32 caches
     in float64, so that splitting the softmax over ranks adds no error
     visible in the model's dtype.
@@ -95,30 +97,35 @@ def paged_attention_with_lse(q: torch.Tensor, kv_cache: torch.Tensor,
     bs = kv_cache.shape[1]
     out = q.new_zeros(b, h, v_dim, dtype=compute)
     lse = q.new_full((b, h), float("-inf"), dtype=torch.float32)
-    q = q.to(compute)
-    table = block_table.to(device=kv_cache.device, dtype=torch.long)
-    for i, n in enumerate(seq_lens.tolist()):
-        if n <= 0:
-            continue
-        k = kv_cache.index_select(0, table[i, : -(-n // bs)]).view(-1, d)[:n].to(compute)
-        o, l = _attend(q[i], k, scale)
-        out[i] = o[:, :v_dim]
-        lse[i] = l
+    lens = seq_lens.to(torch.long)
+    rows = (lens > 0).nonzero().flatten()
+    if rows.numel() == 0:
+        return out, lse
+    lens = lens[rows]
+    pages = -(-int(lens.max()) // bs)
+    table = block_table.to(device=kv_cache.device, dtype=torch.long)[rows, :pages]
+    keys = kv_cache.index_select(0, table.flatten()).view(rows.numel(), pages * bs, d)
+    o, l = _attend(q[rows].to(compute), keys.to(compute), lens, scale)
+    out[rows] = o[..., :v_dim]
+    lse[rows] = l
     return out, lse
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, scale: float):
-    """``q [H, D]`` over ``k [T, D]`` (keys = values), ``T > 0``: output
-    ``[H, D]`` and LSE ``[H]``."""
+def _attend(q: torch.Tensor, k: torch.Tensor, lens: torch.Tensor, scale: float):
+    """``q [R, H, D]`` over ``k [R, T, D]`` (keys = values), row ``r`` seeing
+    its first ``lens[r] > 0`` keys: output ``[R, H, D]`` and LSE ``[R, H]``."""
+    keep = torch.arange(k.shape[1], device=k.device)[None, :] < lens.to(k.device)[:, None]
     if q.device.type == "cpu":
+        mask = torch.zeros(keep.shape, dtype=q.dtype).masked_fill_(~keep, float("-inf"))
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[None, None], k[None, None], k[None, None], scale=scale)
-        return o[0, 0], lse[0, 0]
+            q[:, None], k[:, None], k[:, None], attn_mask=mask[:, None, None], scale=scale)
+        return o[:, 0], lse[:, 0].float()
     # other devices (the GPU debug check's reference): the plain formula,
     # accumulated in float32 or wider
     acc = torch.promote_types(k.dtype, torch.float32)
     k = k.to(acc)
-    scores = (q.to(acc) @ k.T).mul_(scale)
+    scores = (q.to(acc) @ k.transpose(1, 2)).mul_(scale).masked_fill_(
+        ~keep[:, None], float("-inf"))
     return torch.softmax(scores, dim=-1) @ k, torch.logsumexp(scores, dim=-1).float()
 
 

@@ -131,6 +131,9 @@ class ShardedBuilder:
                 f"{self.cp_kv_inner.get_name()} builder split {metadata.num_decodes}.")
         if made.decode is not None and common.block_table_tensor.is_cuda:
             metadata.decode = decode.build_local(self, made.decode, self.cp_kv_decode_ranks)
+        elif made.decode is not None and self.cp_kv_inner.get_name() == "AMX_MLA" \
+                and made.amx is None:
+            made.amx = decode.build_local_amx(made.decode, self.kv_cache_spec.block_size)
         if made.decode is not None and self.cp_kv_kernel_check:
             made.build_decode = self._build_decode  # vLLM's kernel on a view
         metadata.cp_kv = made
@@ -174,12 +177,21 @@ class ShardedImpl:
     """Mixin over the platform's MLA impl (see the module docstring)."""
 
     cp_kv_sharded = True  # the layer reads a full view or merges itself
+    cp_kv_backend = ""  # the inner backend's name (set per subclass)
     cp_kv_lse_context = staticmethod(_kernel_lse)  # plugin.float32_decode_lse where needed
 
     def __init__(self, *args, **kwargs):
         from vllm.config import get_current_vllm_config
 
-        with plugin.unsharded_view(get_current_vllm_config()):
+        config = get_current_vllm_config()
+        if self.cp_kv_backend == "AMX_MLA" and config.parallel_config.dcp_q_replicate:
+            from .checks import CPKVConfigError
+
+            raise CPKVConfigError(
+                "cp_kv: --dcp-q-replicate does not work with the AMX_MLA backend in vLLM "
+                "0.32 (its query absorption uses packed weights of the rank's own heads); "
+                "remove the flag or use --attention-backend CPU_MLA.")
+        with plugin.unsharded_view(config):
             super().__init__(*args, **kwargs)
         plugin.impl_reports_unsharded(self)  # see the module docstring
         self.cp_kv_layer: str | None = None  # bound by the worker
@@ -207,7 +219,7 @@ class ShardedImpl:
                                  attn_metadata, layer, self.cp_kv_lse_context)
         else:
             out = decode.run_cpu(runtime, q, kv_c_and_k_pe_cache, made.decode, self.scale,
-                                 self.kv_lora_rank)
+                                 self.kv_lora_rank, self.num_heads, made.amx)
         if runtime.debug and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             decode.check_against_full_view(self, inner, q, out, attn_metadata,
                                            kv_c_and_k_pe_cache, layer)

@@ -13,9 +13,10 @@ context.
   the debug check below see rows of one query token each.
 * :func:`decode_threshold`: the longest row the shard-aware decode takes.
 * :func:`run_gpu`: vLLM's DCP decode as vLLM runs it (its kernel with the
-  LSE on the owned blocks, its merge); :func:`run_cpu`: torch attention
-  with the LSE and a packed all-gather (vLLM's CPU kernels return no LSE
-  and its merge is Triton-only).
+  LSE on the owned blocks, its merge); :func:`run_cpu`: with AMX_MLA vLLM's
+  own CPU decode kernel, whose split-KV workspace holds the LSE, else torch
+  attention with the LSE (CPU_MLA's kernel returns none), and a packed
+  all-gather (vLLM's merge is Triton-only).
 * :func:`check_against_full_view`: the debug check (``VLLM_CP_KV_DEBUG``).
 """
 
@@ -52,7 +53,7 @@ class DecodeView:
     block_table: torch.Tensor  # [T, C]
     local_lens: torch.Tensor  # [T] int32
     max_local_len: int  # host, an upper bound
-    gather_heads: bool  # TP shard group: this rank's queries hold H / N heads
+    gather_heads: bool  # TP shard group: this rank returns H / N heads (all_heads)
     query_start_loc: torch.Tensor  # [T + 1] int32 on the device: one query per row
     query_start_loc_cpu: torch.Tensor  # [T + 1] int32
     multi_query: bool = False  # some request row had several query tokens
@@ -121,8 +122,21 @@ def _one_query_rows(build_decode, view: DecodeView, table, lens, max_len: int):
         max_query_len=1, dcp_tot_seq_lens_device=None)
 
 
+def all_heads(runtime, view: DecodeView, q: torch.Tensor, local_heads: int,
+              count: bool = True) -> torch.Tensor:
+    """The queries of every head the shard-aware decode attends with. Under
+    TP a rank's layer computes its ``H / N`` heads and they are all-gathered
+    over the shard group; with vLLM's query replication (``--dcp-q-replicate``:
+    the query projection replicated within the DCP group, here the shard
+    group) the layer already computed all ``H``, and the collective is
+    skipped."""
+    if view.gather_heads and q.shape[1] == local_heads:
+        return runtime.gather_heads(q, count)
+    return q
+
+
 def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_context):
-    """GPU: queries all-gathered over the shard group (TP), vLLM's kernel
+    """GPU: queries of all heads (:func:`all_heads`, TP), vLLM's kernel
     (``forward_mqa``, the inner impl's) on this rank's owned blocks
     returning its LSE, vLLM's merge (``cp_lse_ag_out_rs``: all-gather of
     the LSEs, reduce-scatter of the outputs over heads; under PCP every rank
@@ -131,8 +145,7 @@ def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_c
     from vllm.v1.attention.ops.dcp import cp_lse_ag_out_ar, cp_lse_ag_out_rs
 
     view = attn_metadata.cp_kv.decode
-    if view.gather_heads:
-        q = runtime.gather_heads(q)
+    q = all_heads(runtime, view, q, impl.num_heads)
     # the kernel sees a plain paged sequence (no DCP masking: a decode query
     # sees every key), and returns its LSE
     if view.multi_query:  # FLASHMLA shapes its queries by the row count
@@ -148,35 +161,92 @@ def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_c
     return merged
 
 
-def run_cpu(runtime, q, kv_cache, view: DecodeView, scale: float, v_dim: int):
-    """CPU: partial attention over the owned blocks (torch, with the LSE),
-    merged. Partial outputs cross ranks in the kernel's compute type
-    (float64 for float32 models, else the model's 16-bit type) and the merge
-    accumulates in float32 or wider."""
-    if view.gather_heads:
-        q = runtime.gather_heads(q)
-    out, lse = paged_attention_with_lse(q, kv_cache, view.block_table, view.local_lens,
-                                        scale, v_dim)
+@dataclass(frozen=True)
+class AMXLocal:
+    """AMX_MLA: the decode metadata of vLLM's CPU decode kernel
+    (``decode_attention_cpu``) for this rank's own blocks, made as
+    ``AMXMLAMetadataBuilder.build`` makes it (once per batch)."""
+
+    req_to_token: torch.Tensor  # [T, C * block_size] int64: physical row of each position
+    req_pool_indices: torch.Tensor  # [T] int64
+    seq_lens: torch.Tensor  # [T] int64: owned tokens each query token sees
+    num_kv_splits: int
+
+
+def build_local_amx(view: DecodeView, block_size: int) -> AMXLocal:
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.mla.amx_mla import (_compute_num_kv_splits,
+                                                         _expand_block_table)
+
+    rows = view.block_table.shape[0]
+    return AMXLocal(
+        req_to_token=_expand_block_table(view.block_table, block_size).to(torch.int64),
+        req_pool_indices=torch.arange(rows, dtype=torch.int64),
+        seq_lens=view.local_lens.to(torch.int64),
+        num_kv_splits=_compute_num_kv_splits(max(view.max_local_len, 1),
+                                             current_platform.num_compute_units()))
+
+
+def amx_attention_with_lse(q: torch.Tensor, kv_cache: torch.Tensor, local: AMXLocal,
+                           scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's AMX_MLA decode kernel over this rank's blocks, with its LSE:
+    the kernel leaves each KV split's normalized output and natural-log LSE
+    in its ``attn_logits`` workspace (the last column), so the LSE of the
+    whole is their logsumexp (checked against float64 attention in
+    tests/test_decode.py). Rows that see no owned token get a zero output
+    and ``-inf`` (the kernel leaves NaN there)."""
+    from vllm import _custom_ops as ops
+
+    rows, heads, width = q.shape
+    flat = kv_cache.view(-1, 1, width)
+    out = q.new_zeros(rows, heads, v_dim)
+    logits = torch.zeros(rows, heads, local.num_kv_splits, v_dim + 1, dtype=torch.float32)
+    ops.cpu_mla_decode(q.contiguous(), flat, flat[..., :v_dim], out, None, None, None,
+                       logits, local.req_to_token, local.req_pool_indices, local.seq_lens,
+                       scale, 0.0, False, 0, None, None)
+    lse = torch.logsumexp(logits[..., v_dim], dim=-1)
+    empty = local.seq_lens == 0
+    if bool(empty.any()):
+        out[empty] = 0
+    return out, lse
+
+
+def run_cpu(runtime, q, kv_cache, view: DecodeView, scale: float, v_dim: int,
+            local_heads: int, amx: AMXLocal | None = None):
+    """CPU: queries of all heads (:func:`all_heads`), partial attention over
+    the owned blocks with the LSE (AMX_MLA: vLLM's own decode kernel,
+    :func:`amx_attention_with_lse`; else torch), merged. Partial outputs
+    cross ranks in the kernel's compute type (float64 for float32 models,
+    else the model's 16-bit type) and the merge accumulates in float32 or
+    wider."""
+    q = all_heads(runtime, view, q, local_heads)
+    if amx is not None:
+        out, lse = amx_attention_with_lse(q, kv_cache, amx, scale, v_dim)
+    else:
+        out, lse = paged_attention_with_lse(q, kv_cache, view.block_table, view.local_lens,
+                                            scale, v_dim)
     return combine(runtime, out, lse, view.gather_heads).to(q.dtype)
 
 
 def combine(runtime, out: torch.Tensor, lse: torch.Tensor, split_heads: bool
             ) -> torch.Tensor:
     """Merge every rank's partial output by LSE (torch): one all-gather of
-    output and LSE packed as bytes, then the merge of the heads this rank
-    returns (``split_heads``: its ``H / N``, TP; else all)."""
+    output and LSE packed as 32-bit words (vLLM's CPU shared-memory
+    all-gather takes floating types, not bytes), then the merge of the
+    heads this rank returns (``split_heads``: its ``H / N``, TP; else all)."""
     spec = runtime.spec
     _, h, d = out.shape
-    width = d * out.element_size()
-    packed = torch.cat([out.contiguous().view(torch.uint8),
-                        lse.float().unsqueeze(-1).contiguous().view(torch.uint8)], dim=-1)
-    parts = runtime.group.all_gather(packed.unsqueeze(0), dim=0)  # [N, B, H, bytes]
+    # the output's bits as 4-byte words (the lengths' in the debug check too)
+    words = out.contiguous().view(torch.float32)
+    width = words.shape[-1]
+    packed = torch.cat([words, lse.float().unsqueeze(-1)], dim=-1)
+    parts = runtime.group.all_gather(packed.unsqueeze(0), dim=0)  # [N, B, H, words]
     runtime.received(parts)
     if split_heads:
         h //= spec.size
         parts = parts[:, :, spec.rank * h:(spec.rank + 1) * h]
     outs = parts[..., :width].contiguous().view(out.dtype)
-    lses = parts[..., width:].contiguous().view(torch.float32).squeeze(-1)
+    lses = parts[..., width:].contiguous().squeeze(-1)
     return merge_by_lse(outs, lses)
 
 
@@ -192,11 +262,11 @@ def check_against_full_view(impl, forward_mqa, q, out, attn_metadata, kv_cache,
         return
     made.batch.debug_decode_checked = True
     # whole lengths: every rank's owned counts, summed
-    lens = runtime.group.all_gather(
-        view.local_lens.reshape(1, -1).long(), dim=0).sum(dim=0).cpu()
+    mine = view.local_lens.reshape(1, -1).long().contiguous().view(torch.float32)
+    lens = runtime.group.all_gather(mine, dim=0).view(torch.int64).sum(dim=0).cpu()
     plan = plan_materialization(runtime.spec, view.block_table, lens)
     full = runtime.materialize_for_check(plan, kv_cache)
-    q_all = runtime.gather_heads(q, count=False) if view.gather_heads else q
+    q_all = all_heads(runtime, view, q, impl.num_heads, count=False)
     ref, _ = paged_attention_with_lse(q_all, full, plan.full_block_table, lens,
                                       impl.scale, impl.kv_lora_rank)
     if view.gather_heads:
@@ -209,6 +279,9 @@ def check_against_full_view(impl, forward_mqa, q, out, attn_metadata, kv_cache,
             made.build_decode, view, plan.full_block_table.to(view.block_table.device),
             lens.to(device=view.local_lens.device, dtype=torch.int32), int(lens.max()))
         unsharded = forward_mqa(q, full, md, layer)[0]
+        if unsharded.shape[1] != out.shape[1]:  # replicated queries: this rank's heads
+            h = out.shape[1]
+            unsharded = unsharded[:, runtime.spec.rank * h:(runtime.spec.rank + 1) * h]
     err, inner_err = core_debug.check_decode_merge(out, ref, runtime.spec, unsharded)
     runtime.stats.note_decode_check(err, inner_err)
     if runtime.stats.debug_decode_checks == 1:

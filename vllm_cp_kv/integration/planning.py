@@ -79,6 +79,7 @@ class BatchPlan:
     reads: bool  # host flag, identical on every rank: gather for prefills
     num_decodes: int = 0
     decode: object = None  # decode.DecodeView: decode rows use the LSE path
+    amx: object = None  # decode.AMXLocal: AMX_MLA's kernel metadata for the owned blocks
     # the cached context as chunks read one after another (core.plan.ContextChunk;
     # one chunk: the single gather, ``plan``); None under PCP
     chunks: list | None = None
