@@ -93,7 +93,7 @@ def wait_ready(port: int, proc, timeout: float = 900) -> None:
 
 def capacity_of(log: str) -> int | None:
     with open(log) as f:
-        m = re.findall(r"GPU KV cache size: ([0-9,]+) tokens", f.read())
+        m = re.findall(r"(?:GPU|CPU) KV cache size: ([0-9,]+) tokens", f.read())
     return int(m[-1].replace(",", "")) if m else None
 
 
@@ -201,7 +201,13 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--summarize", action="store_true",
+                    help="only recompute the ratios and plot of OUT_DIR's results")
     a = ap.parse_args()
+    if a.summarize:
+        with open(os.path.join(a.out_dir, "serve_bench.json")) as f:
+            summarize(json.load(f), a.out_dir)
+        return 0
     if a.model is None:
         from vllm_cp_kv.tools.tiny_model import build_demo
 
@@ -216,7 +222,15 @@ def main() -> int:
         res["configs"][name] = run_config(a, name)
         print(name, json.dumps(res["configs"][name]), flush=True)
         write_json(os.path.join(a.out_dir, "serve_bench.json"), res)
+    summarize(res, a.out_dir)
+    return 0
+
+
+def summarize(res: dict, out_dir: str) -> None:
+    """The ratios (and the capacities from the server logs), JSON and plot."""
     cfg = res["configs"]
+    for name, run in cfg.items():
+        run["capacity_tokens"] = capacity_of(os.path.join(out_dir, f"{name}.server.log"))
     if "unsharded" in cfg and "sharded" in cfg:
         u, s = cfg["unsharded"], cfg["sharded"]
         res["request_throughput_ratio"] = s["request_throughput"] / u["request_throughput"]
@@ -228,11 +242,10 @@ def main() -> int:
         res["half_memory_latency_ratios"] = {
             k: h[k] / u[k] for k in ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms")
             if h.get(k) and u.get(k)}
-    write_json(os.path.join(a.out_dir, "serve_bench.json"), res)
-    plot(res, os.path.join(a.out_dir, "serve_bench.png"))
+    write_json(os.path.join(out_dir, "serve_bench.json"), res)
+    plot(res, os.path.join(out_dir, "serve_bench.png"))
     print(json.dumps({k: v for k, v in res.items() if k.endswith("ratio") or
                       k.endswith("ratios")}, indent=1))
-    return 0
 
 
 if __name__ == "__main__":
