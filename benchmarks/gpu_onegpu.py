@@ -107,6 +107,11 @@ def runs() -> dict:
                                          + ["--no-plugin"], True, {})
             r[f"tp2-{k}-mtp{n}-shard"] = ("mtp", tp2 + ["--backend", b] + GEN + spec
                                          + ["--shard", "--poison", "--stats"], True, DEBUG)
+    # vLLM's DCP query replication (the decode skips its query all-gather):
+    # the same runs as tp2-*-shard with VLLM_DCP_Q_REPLICATE=1
+    for k, b in BACKENDS.items():
+        r[f"tp2-{k}-qrep"] = ("moe", tp2 + ["--backend", b] + GEN + [
+            "--shard", "--poison", "--stats"], True, {**DEBUG, "VLLM_DCP_Q_REPLICATE": "1"})
     r["tp4-plain"] = ("dense8", tp4 + fa + GEN + ["--no-plugin"], True, {})
     r["tp4-shard"] = ("dense8", tp4 + fa + GEN + ["--shard", "--poison", "--stats"], True, DEBUG)
     r["pcp2-dense-plain"] = ("dense", pcp2 + GEN + ["--no-plugin"], True, {})
@@ -156,6 +161,7 @@ GROUPS["chunk"] = [f"tp2-{k}-chunk" for k in BACKENDS] + ["tp2-FA-chunk-single",
 GROUPS["mtp"] = [f"tp2-{k}-mtp{n}-{v}" for k in BACKENDS for n in ((1, 2, 3) if k == "FA"
                                                                     else (2, 3))
                  for v in ("shard", "plain")]
+GROUPS["qrep"] = [f"tp2-{k}-{v}" for k in BACKENDS for v in ("qrep", "shard")]
 GROUPS["all"] = GROUPS["tp"] + GROUPS["pd"] + GROUPS["pcp"] + GROUPS["chunk"] + GROUPS["mtp"]
 
 
@@ -334,6 +340,18 @@ def compare(results) -> dict:
             "capacity_ratio": round(s["capacity_tokens"] / b["capacity_tokens"], 3)}
     chunk_check(out, results)
     mtp_check(out, results)
+    for k, b in BACKENDS.items():  # query replication against the same run without
+        q, s = _ok(results, f"tp2-{k}-qrep"), _ok(results, f"tp2-{k}-shard")
+        if q and s:
+            stats = [x for x in q.get("stats") or [] if x]
+            out[f"qrep-tp2-{b}"] = {
+                "agreement_vs_gathered_queries": agreement(q["tokens"], q["logprobs"],
+                                                           s["tokens"], s["logprobs"]),
+                "debug_invariants_hold": q["debug_invariants_hold"],
+                "decode_step_bytes": [x["decode_step_bytes"][:2] for x in stats],
+                "decode_step_bytes_gathered": [x["decode_step_bytes"][:2] for x in
+                                               s.get("stats") or [] if x],
+                "ok": q["debug_invariants_hold"] and len(stats) == 2}
     c = pair(out, "tp4", results, "tp4-shard", "tp4-plain", 4, 3.9)
     if c:
         c["ok"] = c["ok_capacity_writes_debug"]

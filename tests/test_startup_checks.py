@@ -328,13 +328,14 @@ def test_query_replication_is_derived_on_cpu_except_with_amx(tiny_dsv2, monkeypa
     from vllm_cp_kv.integration import checks
     from vllm_cp_kv.integration.options import CPKVOptions
 
-    def derived(amx: bool, **kw):
+    def derived(amx: bool, decode: str = "lse", **kw):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
         args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=2, **kw)
-        checks.check_engine_args(args, CPKVOptions(enable=True))
+        checks.check_engine_args(args, CPKVOptions(enable=True, decode=decode))
         return args.dcp_q_replicate
 
     assert derived(amx=False) is True
     assert derived(amx=True) is None  # AMX_MLA: left as vLLM's default (off)
     assert derived(amx=True, attention_config={"backend": "CPU_MLA"}) is True
     assert derived(amx=False, dcp_q_replicate=False) is False  # the user's choice
+    assert derived(amx=False, decode="materialize") is None  # no query gather to skip

@@ -106,7 +106,7 @@ def paged_attention_with_lse(q: torch.Tensor, kv_cache: torch.Tensor,
     table = block_table.to(device=kv_cache.device, dtype=torch.long)[rows, :pages]
     keys = kv_cache.index_select(0, table.flatten()).view(rows.numel(), pages * bs, d)
     o, l = _attend(q[rows].to(compute), keys.to(compute), lens, scale)
-    out[rows] = o[..., :v_dim]
+    out[rows] = o[..., :v_dim].to(out.dtype)
     lse[rows] = l
     return out, lse
 

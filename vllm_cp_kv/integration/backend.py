@@ -208,9 +208,10 @@ class ShardedImpl:
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         made = attn_metadata.cp_kv
-        if made.decode is None:
+        if made.decode is None:  # the inner kernel on the full view, this rank's heads
             full = self._full_view(kv_c_and_k_pe_cache, made)
-            return super().forward_mqa(q, full, attn_metadata, layer)
+            return super().forward_mqa(decode.own_heads(made.runtime, q, self.num_heads),
+                                       full, attn_metadata, layer)
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         runtime, inner = made.runtime, super().forward_mqa

@@ -102,7 +102,7 @@ def check_engine_args(args, options: CPKVOptions) -> None:
     args.decode_context_parallel_size = size
     if not _on_gpu():
         derive_torch_rope(args.compilation_config)
-        derive_query_replication(args, pcp)
+        derive_query_replication(args, pcp, options)
 
 
 def _amx_mla_chosen(args) -> bool:
@@ -121,7 +121,7 @@ def _amx_mla_chosen(args) -> bool:
             and "CPU_MLA" not in str(backend or ""))
 
 
-def derive_query_replication(args, pcp: int) -> None:
+def derive_query_replication(args, pcp: int, options: CPKVOptions) -> None:
     """CPU, shard group = TP: turn on vLLM's DCP query replication
     (``--dcp-q-replicate``: each rank computes every head's query, so the
     shard-aware decode skips its query all-gather) unless the user set it.
@@ -130,7 +130,8 @@ def derive_query_replication(args, pcp: int) -> None:
     Not with AMX_MLA, whose query absorption uses its own packed weights of
     the rank's heads only (vLLM 0.32); not on GPU, where the collective is
     cheap and the replicated query projection costs memory (pass the flag)."""
-    if getattr(args, "dcp_q_replicate", None) is not None or pcp > 1:
+    if getattr(args, "dcp_q_replicate", None) is not None or pcp > 1 or \
+            options.decode != "lse":  # a materializing decode gathers no queries
         return
     if _amx_mla_chosen(args):
         return

@@ -135,6 +135,16 @@ def all_heads(runtime, view: DecodeView, q: torch.Tensor, local_heads: int,
     return q
 
 
+def own_heads(runtime, q, local_heads: int):
+    """This rank's ``H / N`` heads of queries that vLLM's query replication
+    computed for all ``H`` (the decodes that read the full view: every rank
+    attends with its own heads only)."""
+    if isinstance(q, tuple) or q.shape[1] == local_heads:
+        return q
+    rank = runtime.spec.rank
+    return q[:, rank * local_heads:(rank + 1) * local_heads]
+
+
 def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_context):
     """GPU: queries of all heads (:func:`all_heads`, TP), vLLM's kernel
     (``forward_mqa``, the inner impl's) on this rank's owned blocks
