@@ -7,11 +7,11 @@ with a new 24-token suffix, so its prefix is in vLLM's cache. The sharded
 run keeps prefix caching on: vLLM's own counters must show the hits, at the
 granularity of a scheduler block (block size x shard size tokens), and the
 tokens of both waves must equal the unsharded run's. vLLM turns prefix
-caching off for MLA on CPU_MLA (its prefill cannot read a cached context),
-so there the unsharded reference recomputes every prompt; where vLLM keeps
-it on (AMX_MLA) the reference has it too. Either way the reference is
-correct, and the sharded wave 2 reads its cached context through the full
-view (with CPU_MLA, by the plugin's own prefill).
+caching off for MLA on CPU_MLA, so there the unsharded reference
+recomputes every prompt; where vLLM keeps it on (AMX_MLA) the reference has
+it too. Either way the reference is correct, and the sharded wave 2 reads
+its cached context through the full view (with CPU_MLA, by vLLM's own
+chunked-context prefill, which the plugin keeps prefix caching on for).
 
 Negative control: a third wave repeats wave 2 after one cached block owned
 by shard rank 1 was overwritten: the hit is read, so the output changes.
