@@ -83,7 +83,8 @@ class BatchPlan:
     # the cached context as chunks read one after another (core.plan.ContextChunk;
     # one chunk: the single gather, ``plan``); None under PCP
     chunks: list | None = None
-    # GPU, several chunks: each chunk's (block table, vLLM chunked-context metadata)
+    # several chunks: each chunk's prefill metadata for vLLM's context loop (its block
+    # table and chunked-context metadata; None: no prefill row reads the chunk)
     vllm_chunks: list | None = None
     views: dict = field(default_factory=dict)  # (layer name, chunk) -> full view
     build_decode: object = None  # debug: the builder's _build_decode (vLLM's kernel on a view)
