@@ -107,6 +107,20 @@ def runs() -> dict:
                                          + ["--no-plugin"], True, {})
             r[f"tp2-{k}-mtp{n}-shard"] = ("mtp", tp2 + ["--backend", b] + GEN + spec
                                          + ["--shard", "--poison", "--stats"], True, DEBUG)
+    # MTP under PCP=2 (the draft prefill on the target's split, chained
+    # draft steps on the whole batch on every rank), the platform's backend;
+    # and k = 2 with an MoE MTP layer (DeepSeek-V3's; plain vLLM fails with
+    # PCP and MoE: the plugin's fix with the replicated layout is the base)
+    for n in (1, 2, 3):
+        spec = ["--spec", json.dumps({"method": "mtp", "num_speculative_tokens": n})]
+        r[f"pcp2-mtp{n}-plain"] = ("mtp", pcp2 + GEN + spec + ["--no-plugin"], True, {})
+        r[f"pcp2-mtp{n}-shard"] = ("mtp", pcp2 + GEN + spec
+                                   + ["--shard", "--poison", "--stats"], True, DEBUG)
+    spec = ["--spec", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+    r["pcp2-mtp2moe-plain"] = ("mtp-moe", pcp2 + GEN + spec
+                               + ["--cp-kv", '{"kv_sharding": false}'], True, {})
+    r["pcp2-mtp2moe-shard"] = ("mtp-moe", pcp2 + GEN + spec
+                               + ["--shard", "--poison", "--stats"], True, DEBUG)
     # vLLM's DCP query replication (the decode skips its query all-gather):
     # the same runs as tp2-*-shard with VLLM_DCP_Q_REPLICATE=1
     for k, b in BACKENDS.items():
@@ -161,6 +175,8 @@ GROUPS["chunk"] = [f"tp2-{k}-chunk" for k in BACKENDS] + ["tp2-FA-chunk-single",
 GROUPS["mtp"] = [f"tp2-{k}-mtp{n}-{v}" for k in BACKENDS for n in ((1, 2, 3) if k == "FA"
                                                                     else (2, 3))
                  for v in ("shard", "plain")]
+GROUPS["pcp-mtp"] = [f"pcp2-mtp{n}{m}-{v}" for n, m in ((1, ""), (2, ""), (3, ""), (2, "moe"))
+                     for v in ("shard", "plain")]
 GROUPS["qrep"] = [f"tp2-{k}-{v}" for k in BACKENDS for v in ("qrep", "shard")]
 GROUPS["all"] = GROUPS["tp"] + GROUPS["pd"] + GROUPS["pcp"] + GROUPS["chunk"] + GROUPS["mtp"]
 
@@ -171,9 +187,9 @@ def model_dir(kind: str) -> str:
     gpu_vllm_checks builds it."""
     if kind == "dsv32":
         return checks.model_dir(kind)
-    if kind == "mtp":
-        return tiny_model.build_mtp(os.path.join(checks.MODELS, "onegpu-mtp"),
-                                    gpu_heads=True, max_positions=16384)
+    if kind in ("mtp", "mtp-moe"):
+        return tiny_model.build_mtp(os.path.join(checks.MODELS, "onegpu-" + kind),
+                                    gpu_heads=True, max_positions=16384, moe=kind == "mtp-moe")
     return tiny_model.build(os.path.join(checks.MODELS, "onegpu-" + kind), gpu_heads=True,
                             moe=kind == "moe", heads=8 if kind == "dense8" else 6,
                             max_positions=16384)
@@ -419,28 +435,31 @@ def chunk_check(out, results) -> None:
 
 
 def mtp_check(out, results) -> None:
-    """MTP on the V2 runner: sharded vs unsharded TP=2 with the same draft
+    """MTP on the V2 runner: sharded vs unsharded TP=2 or PCP=2 with the same draft
     count, debug checks held, verification rows through the shard-aware
     decode; tokens and vLLM's spec-decode counters side by side (bf16)."""
-    for k, b in BACKENDS.items():
-        for n in (1, 2, 3):
-            s, p = _ok(results, f"tp2-{k}-mtp{n}-shard"), _ok(results, f"tp2-{k}-mtp{n}-plain")
-            if not s:
-                continue
-            stats = [x for x in s.get("stats") or [] if x]
-            c = out[f"mtp{n}-tp2-{b}"] = {
-                "spec_decode_sharded": s.get("spec_decode"),
-                "spec_decode_unsharded": (p or {}).get("spec_decode"),
-                "debug_invariants_hold": s["debug_invariants_hold"],
-                "multi_query_decode_steps": [x.get("multi_query_decode_steps") for x in stats],
-                "capacity_ratio": round(s["capacity_tokens"] / p["capacity_tokens"], 3)
-                if p else None}
-            if p:
-                c["agreement"] = agreement(s["tokens"], s["logprobs"], p["tokens"],
-                                           p["logprobs"])
-            c["ok"] = bool(c["debug_invariants_hold"] and stats and all(
-                (m or 0) > 0 for m in c["multi_query_decode_steps"]) and p
-                and (s.get("spec_decode") or {}).get("spec_decode_num_drafts", 0) > 0)
+    pairs = [(f"mtp{n}-tp2-{b}", f"tp2-{k}-mtp{n}") for k, b in BACKENDS.items()
+             for n in (1, 2, 3)]
+    pairs += [(f"mtp{n}{m}-pcp2", f"pcp2-mtp{n}{m}") for n, m in ((1, ""), (2, ""), (3, ""),
+                                                                   (2, "moe"))]
+    for key, run in pairs:
+        s, p = _ok(results, f"{run}-shard"), _ok(results, f"{run}-plain")
+        if not s:
+            continue
+        stats = [x for x in s.get("stats") or [] if x]
+        c = out[key] = {
+            "spec_decode_sharded": s.get("spec_decode"),
+            "spec_decode_unsharded": (p or {}).get("spec_decode"),
+            "debug_invariants_hold": s["debug_invariants_hold"],
+            "multi_query_decode_steps": [x.get("multi_query_decode_steps") for x in stats],
+            "capacity_ratio": round(s["capacity_tokens"] / p["capacity_tokens"], 3)
+            if p else None}
+        if p:
+            c["agreement"] = agreement(s["tokens"], s["logprobs"], p["tokens"],
+                                       p["logprobs"])
+        c["ok"] = bool(c["debug_invariants_hold"] and stats and all(
+            (m or 0) > 0 for m in c["multi_query_decode_steps"]) and p
+            and (s.get("spec_decode") or {}).get("spec_decode_num_drafts", 0) > 0)
 
 
 def pd_check(out, name, pd):

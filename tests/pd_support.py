@@ -40,13 +40,13 @@ class FakeRouter:
     """A hostile prefill rank: a ZMQ ROUTER answering every message with
     ``reply_frames`` (e.g. a pickle)."""
 
-    def __init__(self, port: int, reply_frames: list[bytes]):
+    def __init__(self, port: int, reply_frames: list[bytes], host: str = "127.0.0.1"):
         import zmq
 
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"tcp://127.0.0.1:{port}")
+        self._sock.bind(f"tcp://{host}:{port}")
         self.reply, self.received = reply_frames, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -71,13 +71,13 @@ class FakePrefill:
     and answers ``answer(msg)`` (a reply Struct, echoing ``msg.nonce``) after
     ``delay_s``, without a secret. One thread, one ROUTER."""
 
-    def __init__(self, port: int, answer, delay_s: float = 0.0):
+    def __init__(self, port: int, answer, delay_s: float = 0.0, host: str = "127.0.0.1"):
         import zmq
 
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"tcp://127.0.0.1:{port}")
+        self._sock.bind(f"tcp://{host}:{port}")
         self.port, self.answer, self.delay_s, self.received = port, answer, delay_s, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)

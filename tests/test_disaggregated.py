@@ -1,7 +1,9 @@
 """Disaggregated prefill, real vLLM on CPU: the example's sharded prefill
 server (TP=2, cp_kv), decode server (not sharded) and proxy, all started with
-``vllm serve`` / the example scripts, over NIXL (UCX loopback) and Mooncake
-(TCP).
+``vllm serve`` / the example scripts, over NIXL (UCX over TCP) and Mooncake
+(TCP). The prefill and the decode each run in a network namespace of their
+own (tests/hosts.py; the proxy, the fake peers and the client in the root
+namespace); where namespaces cannot be made outside CI, all on loopback.
 
 Reference: a single unsharded instance (offline LLM, same TP) on the same
 prompts: identical greedy tokens. The decode log must report every prompt
@@ -15,18 +17,22 @@ naming the reason in the decode's log, the decode serves on) or at a host its
 connector's transfer figures (vLLM's KV-connector stats channel) count every
 pull and failure and exactly the bytes of the blocks moved, and the prefill
 shows the plugin's sharding figures, which its worker processes write.
+Across namespaces: the prefill advertises and listens on its configured
+address only (its side channel refuses on the host's other address), and
+the prefill killed mid-transfer gives the client an error, leaks no block on
+the decode, and the decode answers the next request.
 
 Opt-in (``VLLM_CP_KV_RUN_PD_E2E=1``; adds the Mooncake trio, which runs with
 a shared side-channel secret): the negative control (the same transfer with
 the logical positions dropped, a decode-side test hook, must change the
 output); malformed params (HTTP 400 with the reason), a wrong token, a
-shard-size mismatch, and the prefill server killed mid-transfer: each gives
-an error to the client, leaks no block (KV usage back to zero on both
-servers) and the decode server answers the next request.
-"""
+shard-size mismatch: each gives an error to the client, leaks no block (KV
+usage back to zero on both servers) and the decode server answers the next
+request."""
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -40,6 +46,7 @@ import pytest
 
 from builders import free_port
 from conftest import CPU_ENV, ROOT, harness_env, needs_vllm, run_generate
+from hosts import Topology, make_hosts
 from pd_support import FakePrefill, FakeRouter, pickled
 
 E2E = os.environ.get("VLLM_CP_KV_RUN_PD_E2E") == "1"
@@ -61,6 +68,7 @@ EXACT_ARGS = ('--dtype float32 --attention-backend CPU_MLA '
               '--compilation-config {"custom_ops":["all","-rotary_embedding"]}')
 # the Mooncake trio runs with a shared side-channel secret (HMAC), NIXL without
 SECRET = {"mooncake": secrets.token_urlsafe(24)}
+OTHER = 101  # host part of the prefill's second address (namespaces only)
 
 
 def post(url, body, timeout=300, headers=None):
@@ -73,19 +81,19 @@ def post(url, body, timeout=300, headers=None):
         return e.code, json.loads(e.read() or b"{}")
 
 
-def kv_usage(port):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+def kv_usage(url):
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
         for line in r.read().decode().splitlines():
             if line.startswith("vllm:kv_cache_usage_perc{"):
                 return float(line.rsplit(" ", 1)[1])
     raise AssertionError("no vllm:kv_cache_usage_perc metric")
 
 
-def scrape(port, sample, **labels):
+def scrape(url, sample, **labels):
     """Values of ``sample`` under ``/metrics`` whose labels include ``labels``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
         text = r.read().decode()
     return [s.value for family in text_string_to_metric_families(text)
             for s in family.samples
@@ -107,7 +115,7 @@ def check_transfer_figures(servers):
     ok, failed = len(servers.moved), servers.failed
 
     def decode(sample, **labels):
-        return sum(scrape(servers.dp, sample, role="decode", **labels))
+        return sum(scrape(servers.url(servers.dp), sample, role="decode", **labels))
 
     wait_until(lambda: decode("vllm:cp_kv_transfers_total", result="ok") == ok
                and decode("vllm:cp_kv_transfers_total", result="failed") == failed,
@@ -131,11 +139,17 @@ def wait_until(pred, timeout, what):
 
 
 class Servers:
-    def __init__(self, model, transport, workdir):
-        self.model, self.transport, self.dir = model, transport, workdir
+    """The trio, each server where ``topo`` puts it: the prefill and the
+    decode in namespaces of their own where they can be made (tests/hosts.py),
+    the proxy, the fake peers and the test's client in the root namespace."""
+
+    def __init__(self, model, transport, workdir, topo):
+        self.model, self.transport, self.dir, self.topo = model, transport, workdir, topo
         self.pp, self.dp, self.xp = free_port(), free_port(), free_port()
         self.side = free_port(consecutive=2)
         self.fake = free_port(consecutive=2)  # where a test's fake prefill peer listens
+        self.host = {role: topo.addr(role) for role in ("prefill", "decode", "proxy")}
+        self._role = {self.pp: "prefill", self.dp: "decode", self.xp: "proxy"}
         bin_dir = os.path.dirname(sys.executable)
         env = {**os.environ, **CPU_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}",
                "EXPIRY_S": str(EXPIRY_S), "EXTRA_ARGS": EXACT_ARGS, "BLOCK_SIZE": "16"}
@@ -148,7 +162,7 @@ class Servers:
         self._start("prefill", ["bash", f"{EXAMPLES}/start_prefill.sh", model, str(self.pp),
                                 transport, str(self.side)],
                     {**env, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-        allowed = [f"127.0.0.1:{self.side}", f"127.0.0.1:{self.fake}"]
+        allowed = [f"{self.host['prefill']}:{self.side}", f"{self.host['proxy']}:{self.fake}"]
         self._start("decode", ["bash", f"{EXAMPLES}/start_decode.sh", model, str(self.dp),
                                transport],
                     {**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind" if DECODE_TP == 1 else "0|1",
@@ -157,16 +171,21 @@ class Servers:
                      # mid-transfer (scripts/gpu/onegpu/pd_hooks.py)
                      **harness_env(CPKV_TEST_HOOKS="1")})
         self._start("proxy", [sys.executable, f"{EXAMPLES}/proxy.py", "--prefill",
-                              f"http://127.0.0.1:{self.pp}", "--decode",
-                              f"http://127.0.0.1:{self.dp}", "--port", str(self.xp)], env)
+                              self.url(self.pp), "--decode", self.url(self.dp),
+                              "--host", self.host["proxy"], "--port", str(self.xp)], env)
         for name, port in (("prefill", self.pp), ("decode", self.dp), ("proxy", self.xp)):
             wait_until(lambda p=port: urllib.request.urlopen(
-                f"http://127.0.0.1:{p}/health", timeout=5).status == 200, 400, name)
+                f"{self.url(p)}/health", timeout=5).status == 200, 400, name)
+
+    def url(self, port):
+        return f"http://{self.host[self._role[port]]}:{port}"
 
     def _start(self, name, cmd, env):
         path = os.path.join(self.dir, f"{name}-{self.transport}.log")
         self.logs[name] = path
-        self.procs[name] = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True,
+        env = {**env, **self.topo.env(name), "HOST": self.host[name]}
+        self.procs[name] = subprocess.Popen(self.topo.wrap(name, cmd), env=env, cwd=ROOT,
+                                            start_new_session=True,
                                             stdout=open(path, "w"), stderr=subprocess.STDOUT)
 
     def log(self, name):
@@ -187,10 +206,10 @@ class Servers:
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
                 "temperature": 0, "return_token_ids": True, **extra}
         headers = {"X-Request-Id": request_id} if request_id else None
-        return post(f"http://127.0.0.1:{port}/v1/completions", body, headers=headers)
+        return post(f"{self.url(port)}/v1/completions", body, headers=headers)
 
     def num_tokens(self, prompt):
-        status, out = post(f"http://127.0.0.1:{self.dp}/tokenize",
+        status, out = post(f"{self.url(self.dp)}/tokenize",
                            {"model": self.model, "prompt": prompt})
         assert status == 200, out
         return out["count"]
@@ -209,9 +228,24 @@ def reference(tiny_dsv2, tmp_path_factory):
                         "--dtype", "float32", "--backend", "CPU_MLA", "--torch-rope")
 
 
+@pytest.fixture(scope="module")
+def topo():
+    """The prefill and the decode on hosts of their own (network namespaces;
+    the prefill's interface has a second address, which nothing may listen
+    on); where namespaces cannot be made (not root, and not under CI), all
+    on loopback."""
+    hosts = make_hosts(["prefill", "decode"], fallback=True)
+    if hosts is not None:
+        hosts.add_address("prefill", hosts.address(OTHER))
+    yield Topology(hosts)
+    if hosts is not None:
+        hosts.close()
+
+
 @pytest.fixture(scope="module", params=TRANSPORTS)
-def servers(request, tiny_dsv2, tmp_path_factory):
-    s = Servers(tiny_dsv2, request.param, str(tmp_path_factory.mktemp(f"pd_{request.param}")))
+def servers(request, tiny_dsv2, tmp_path_factory, topo):
+    s = Servers(tiny_dsv2, request.param, str(tmp_path_factory.mktemp(f"pd_{request.param}")),
+                topo)
     yield s
     s.stop()
 
@@ -236,20 +270,20 @@ def test_sharded_prefill_to_unsharded_decode_matches_single_instance(servers, re
     assert sorted(received) == sorted(reference["prompt_lens"] * DECODE_TP), received
     assert "from 2 prefill ranks" in log
     # no leaked blocks: both servers return to an empty cache
-    wait_until(lambda: kv_usage(servers.dp) == 0.0, 60, "decode KV usage 0")
-    wait_until(lambda: kv_usage(servers.pp) == 0.0, 60, "prefill KV usage 0")
+    wait_until(lambda: kv_usage(servers.url(servers.dp)) == 0.0, 60, "decode KV usage 0")
+    wait_until(lambda: kv_usage(servers.url(servers.pp)) == 0.0, 60, "prefill KV usage 0")
     # /metrics: the transfers (vLLM's stats channel) ...
     servers.moved += reference["prompt_lens"]
     check_transfer_figures(servers)
     for rank in ("0", "1"):  # every prefill rank served every request once
-        wait_until(lambda r=rank: sum(scrape(servers.pp, "vllm:cp_kv_transfers_total",
+        wait_until(lambda r=rank: sum(scrape(servers.url(servers.pp), "vllm:cp_kv_transfers_total",
                                              role="prefill", rank=r, result="ok"))
                    == len(texts), 30, f"prefill rank {rank}'s served requests")
     # ... and the plugin's sharding figures, written by the prefill's workers
     for rank in ("0", "1"):
-        assert scrape(servers.pp, "vllm:cp_kv_shard_size", rank=rank) == [2.0]
-        assert scrape(servers.pp, "vllm:cp_kv_logical_capacity_tokens", rank=rank)[0] > 0
-        assert sum(scrape(servers.pp, "vllm:cp_kv_steps_total", rank=rank)) > 0
+        assert scrape(servers.url(servers.pp), "vllm:cp_kv_shard_size", rank=rank) == [2.0]
+        assert scrape(servers.url(servers.pp), "vllm:cp_kv_logical_capacity_tokens", rank=rank)[0] > 0
+        assert sum(scrape(servers.url(servers.pp), "vllm:cp_kv_steps_total", rank=rank)) > 0
 
 
 def decode_log_has(servers, phrase, timeout=30):
@@ -257,7 +291,7 @@ def decode_log_has(servers, phrase, timeout=30):
 
 
 def decode_serves_on(servers):
-    wait_until(lambda: kv_usage(servers.dp) == 0.0, 60, "decode KV usage 0 after a failure")
+    wait_until(lambda: kv_usage(servers.url(servers.dp)) == 0.0, 60, "decode KV usage 0 after a failure")
     status, out = servers.completion(servers.dp, "The next request works.")
     assert status == 200 and out["choices"][0]["token_ids"], out
 
@@ -270,12 +304,13 @@ def test_a_fake_prefill_peer_runs_nothing_on_the_decode(servers, tmp_path):
     text = "A client may name any host in the params it sends. " * 3
     # what a prefill would answer, made up (no prefill blocks wait for it)
     params = {"do_remote_prefill": True, "do_remote_decode": False,
-              "remote_request_id": "cmpl-made-up-0-0000", "remote_host": "127.0.0.1",
+              "remote_request_id": "cmpl-made-up-0-0000", "remote_host": servers.host["proxy"],
               "remote_port": servers.side, "remote_num_tokens": servers.num_tokens(text),
               "shard_size": 2, "block_size": 16, "ownership_rule": "cyclic",
               "transport": servers.transport, "transfer_token": secrets.token_urlsafe(32)}
     marker = tmp_path / "ran-on-decode"
-    fakes = [FakeRouter(servers.fake + r, [pickled(str(marker)), b""]) for r in range(2)]
+    fakes = [FakeRouter(servers.fake + r, [pickled(str(marker)), b""], servers.host["proxy"])
+             for r in range(2)]
     request_id = f"fake-peer-{servers.transport}"
     try:
         status, out = servers.completion(servers.dp, text, request_id=request_id,
@@ -331,7 +366,7 @@ def test_a_fake_peers_nixl_metadata_leaves_the_real_prefill_working(servers, ref
     own = servers.prefill_params(text)
     replies = []
     for r in range(2):  # fetch and free the own request's blocks, as a decode would
-        with sc.SideChannelClient("127.0.0.1", servers.side + r, None, 30) as c:
+        with sc.SideChannelClient(servers.host["prefill"], servers.side + r, None, 30) as c:
             ask = dict(nonce=sc.new_nonce(), request_id=own["remote_request_id"],
                        token=own["transfer_token"], reader="attacker")
             replies.append(c.ask(sc.Fetch(lease_s=30, **ask), sc.FetchReply))
@@ -346,9 +381,11 @@ def test_a_fake_peers_nixl_metadata_leaves_the_real_prefill_working(servers, ref
             nonce=msg.nonce, handshake=hs, manifest=replies[r].manifest,
             lease_s=msg.lease_s) if isinstance(msg, sc.Fetch) else sc.Ok(nonce=msg.nonce)
 
-    fakes = [FakePrefill(servers.fake + r, answer(r)) for r in range(2)]
+    fakes = [FakePrefill(servers.fake + r, answer(r), host=servers.host["proxy"])
+             for r in range(2)]
     try:
-        fake = dict(own, remote_port=servers.fake, transfer_token=secrets.token_urlsafe(32))
+        fake = dict(own, remote_host=servers.host["proxy"], remote_port=servers.fake,
+                    transfer_token=secrets.token_urlsafe(32))
         status, out = servers.completion(servers.dp, text, request_id="fake-nixl-meta",
                                          kv_transfer_params=fake)
         assert status != 200, out
@@ -364,6 +401,51 @@ def test_a_fake_peers_nixl_metadata_leaves_the_real_prefill_working(servers, ref
     servers.moved.append(reference["prompt_lens"][0])
     decode_log_has(servers, "does not load")  # the fake's metadata, refused
     check_transfer_figures(servers)
+
+
+CONNECT = """import socket, sys
+for host in sys.argv[2:]:
+    try:
+        socket.create_connection((host, int(sys.argv[1])), timeout=5).close()
+        print(host, "open")
+    except OSError as e:
+        print(host, type(e).__name__)
+"""
+
+
+def test_the_prefill_listens_on_and_advertises_its_address_only(servers, topo):
+    """Across hosts: the prefill answers with its configured address
+    (``SIDE_HOST``), its side-channel sockets are bound to that address
+    alone (from the decode's namespace: that address connects, the prefill
+    host's other address refuses), and every socket the prefill's processes
+    listen on is on that address, except torch.distributed's store where
+    vLLM has one and Mooncake's (docs/deployment.md)."""
+    if topo.hosts is None:
+        pytest.skip("needs network namespaces (root): the trio runs on loopback here")
+    hosts, addr = topo.hosts, servers.host["prefill"]
+    text = "Every rank sends only its owned blocks with their logical positions. " * 3
+    params = servers.prefill_params(text)
+    assert params["remote_host"] == addr and params["remote_port"] == servers.side, params
+    status, out = servers.completion(servers.dp, text, kv_transfer_params=params)
+    assert status == 200 and out["choices"][0]["token_ids"], out  # and it pulls from there
+    servers.moved.append(servers.num_tokens(text))
+    listening = hosts.listening("prefill")
+    for port in (servers.side, servers.side + 1):  # one side channel per prefill rank
+        assert [h for h, p in listening if p == port] == [addr], (port, listening)
+    probe = hosts.run("decode", [sys.executable, "-c", CONNECT, str(servers.side), addr,
+                                 hosts.address(OTHER)], timeout=60)
+    assert probe.stdout.split() == [addr, "open", hosts.address(OTHER),
+                                    "ConnectionRefusedError"], probe
+    # one node: vLLM's workers rendezvous through a file, no store port
+    store = re.search(r"distributed_init_method=tcp://[\d.]+:(\d+)", servers.log("prefill"))
+    off = [(h, p) for h, p in listening if h != addr and not (store and p == int(store[1]))]
+    if servers.transport == "mooncake":
+        # Mooncake's transfer engine binds its handshake RPC server and its
+        # TCP transport to every address, two sockets a rank, and takes no
+        # address to bind (docs/deployment.md: firewall them)
+        assert len(off) == 4 and all(h in ("0.0.0.0", "*") for h, _ in off), off
+    else:
+        assert not off, off
 
 
 @opt_in
@@ -422,7 +504,7 @@ def test_malformed_out_of_range_and_mismatched_params_fail_cleanly(servers):
                     "Expected `int`, got `str`")
     _expect_refused(servers, text, dict(good, remote_block_ids=[10 ** 12]), "remote_block_ids")
     # the prefill side frees the unclaimed blocks after its expiry
-    wait_until(lambda: kv_usage(servers.pp) == 0.0, EXPIRY_S + 90,
+    wait_until(lambda: kv_usage(servers.url(servers.pp)) == 0.0, EXPIRY_S + 90,
                "prefill KV usage 0 after expiry")
     assert f"expired after {EXPIRY_S} s" in servers.log("prefill")
 
@@ -442,7 +524,6 @@ def test_a_wrong_token_is_refused_and_the_owner_still_completes(servers):
     assert status == 200 and out["choices"][0]["token_ids"], out
 
 
-@opt_in
 def test_prefill_killed_mid_transfer(servers):
     if servers.transport != "nixl":
         pytest.skip("fault tests run on NIXL only (same connector code path)")

@@ -101,3 +101,33 @@ def test_the_forward_context_finds_the_steps_padding_through_the_metadata():
     assert plugin._recorded_padding([md])[1] is gathered  # micro-batches
     assert plugin._recorded_padding({"other": SimpleNamespace()}) is None
     assert plugin._recorded_padding(None) is None
+
+
+def test_a_chained_draft_step_under_pcp_drops_the_split_and_its_padding(pcp_manager):
+    """The V2 speculator under PCP: the draft prefill runs on the target's
+    split (its forward finds the recorded gathered mask); a chained draft
+    step runs the whole batch on every rank (plugin item 15 starts it with
+    ``new_forward(replicated=True)``), so its plans and its forward see no
+    split and its padding is the global mask repeated per rank. Negative
+    control: without ``replicated`` the stale split stays and the draft
+    step's forward is refused (its mask has the global batch's length)."""
+    from vllm_cp_kv.integration import plugin
+
+    mgr, runtime = pcp_manager
+    seen = []
+    forward = plugin._gathered_padding(lambda md, cfg, is_padding=None: seen.append(is_padding))
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(prefill_context_parallel_size=2),
+                          additional_config={"cp_kv": {"enable": True}})
+    draft = torch.tensor([False, False, True])  # the global batch, padded
+    with runtime.step() as batch:
+        mgr.partition_batch(None, None)
+        md = {"mtp.attn": SimpleNamespace(cp_kv=SimpleNamespace(batch=batch))}
+        forward(md, cfg, is_padding=torch.zeros(6, dtype=torch.bool))  # the draft prefill
+        assert seen[-1] is batch.padding[1]
+        runtime.new_forward()  # a new forward that keeps the split: refused
+        with pytest.raises(RuntimeError, match="stale step state"):
+            forward(md, cfg, is_padding=draft)
+        runtime.new_forward(replicated=True)
+        assert batch.pcp_step is None and batch.padding is None and batch.plans == {}
+        forward(md, cfg, is_padding=draft)
+        assert seen[-1].tolist() == draft.tolist() * 2

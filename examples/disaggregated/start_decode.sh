@@ -2,7 +2,8 @@
 # Decode server: not sharded (TP from $TP, default 1); every rank pulls each
 # prefill rank's owned blocks into its own (replicated) latent cache.
 # Usage: start_decode.sh MODEL [PORT=8200] [TRANSPORT=nixl|mooncake]
-# Env: ALLOWED_PREFILL_HOSTS (a JSON list of "host" or "host:side_port", e.g.
+# Env: HOST (127.0.0.1: the HTTP server binds here; the connector advertises
+#      VLLM_HOST_IP), ALLOWED_PREFILL_HOSTS (a JSON list of "host" or "host:side_port", e.g.
 #      '["127.0.0.1:5700"]': the only prefill side channels a request's
 #      kv_transfer_params may name; unset: any, which lets every client point
 #      this server at a host of its choice, and then a decode on a
@@ -13,6 +14,6 @@
 #      EXTRA_ARGS (more vllm serve flags)
 MODEL=${1:?model}; PORT=${2:-8200}; TRANSPORT=${3:-nixl}
 EXTRA="{\"transport\": \"$TRANSPORT\"${ALLOWED_PREFILL_HOSTS:+, \"allowed_prefill_hosts\": $ALLOWED_PREFILL_HOSTS}${EXTRA_CONFIG:+, $EXTRA_CONFIG}}"
-exec vllm serve "$MODEL" --port "$PORT" --host 127.0.0.1 --tensor-parallel-size "${TP:-1}" \
+exec vllm serve "$MODEL" --port "$PORT" --host "${HOST:-127.0.0.1}" --tensor-parallel-size "${TP:-1}" \
   --max-model-len 1024 --max-num-seqs 8 --block-size "${BLOCK_SIZE:-32}" --enforce-eager ${EXTRA_ARGS:-} \
   --kv-transfer-config "{\"kv_connector\": \"ShardedKVConnector\", \"kv_connector_module_path\": \"vllm_cp_kv.integration.connector\", \"kv_role\": \"kv_consumer\", \"kv_connector_extra_config\": $EXTRA}"

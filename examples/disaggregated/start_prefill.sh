@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Sharded prefill server: TP=2 with cp_kv; each rank serves its owned blocks.
 # Usage: start_prefill.sh MODEL [PORT=8100] [TRANSPORT=nixl|mooncake] [SIDE_PORT=5700]
-# Env: BLOCK_SIZE (32), EXPIRY_S (120: free unclaimed blocks after this),
-#      SIDE_HOST (127.0.0.1: the side channel binds here only and the decode is
-#      told to connect here; set this host's address on the network the decode
-#      reaches it by, never 0.0.0.0 unless that is what you mean),
+# Env: HOST (127.0.0.1: the HTTP server binds here), BLOCK_SIZE (32),
+#      EXPIRY_S (120: free unclaimed blocks after this),
+#      SIDE_HOST ($HOST: the side channel and the Mooncake engine bind here only
+#      and the decode is told to connect here; set this host's address on the
+#      network the decode reaches it by, never 0.0.0.0 unless that is what you
+#      mean; docs/deployment.md),
 #      VLLM_CP_KV_SIDE_CHANNEL_SECRET (optional shared secret, set the same on
 #      the decode: side-channel messages are then authenticated with HMAC),
 #      EXTRA_ARGS (more vllm serve flags)
 MODEL=${1:?model}; PORT=${2:-8100}; TRANSPORT=${3:-nixl}; SIDE=${4:-5700}
-exec vllm serve "$MODEL" --port "$PORT" --host 127.0.0.1 --tensor-parallel-size 2 \
+exec vllm serve "$MODEL" --port "$PORT" --host "${HOST:-127.0.0.1}" --tensor-parallel-size 2 \
   --max-model-len 1024 --max-num-seqs 8 --block-size "${BLOCK_SIZE:-32}" --enforce-eager ${EXTRA_ARGS:-} \
   --additional-config '{"cp_kv": {"enable": true}}' \
-  --kv-transfer-config "{\"kv_connector\": \"ShardedKVConnector\", \"kv_connector_module_path\": \"vllm_cp_kv.integration.connector\", \"kv_role\": \"kv_producer\", \"kv_connector_extra_config\": {\"transport\": \"$TRANSPORT\", \"side_channel_host\": \"${SIDE_HOST:-127.0.0.1}\", \"side_channel_port\": $SIDE, \"blocks_expiry_s\": ${EXPIRY_S:-120}}}"
+  --kv-transfer-config "{\"kv_connector\": \"ShardedKVConnector\", \"kv_connector_module_path\": \"vllm_cp_kv.integration.connector\", \"kv_role\": \"kv_producer\", \"kv_connector_extra_config\": {\"transport\": \"$TRANSPORT\", \"side_channel_host\": \"${SIDE_HOST:-${HOST:-127.0.0.1}}\", \"side_channel_port\": $SIDE, \"blocks_expiry_s\": ${EXPIRY_S:-120}}}"

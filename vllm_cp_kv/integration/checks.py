@@ -85,8 +85,7 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             f"--block-size={args.block_size}; block ownership needs them equal. "
             "Remove --cp-kv-cache-interleave-size (cp_kv sets it).")
     if args.speculative_config:
-        check_speculative(args.speculative_config, pcp=args.prefill_context_parallel_size,
-                          eager=bool(args.enforce_eager))
+        check_speculative(args.speculative_config, eager=bool(args.enforce_eager))
     check_hisparse(args.attention_config)
     # Before vLLM's own DCP validation, which would reject a non-MLA model
     # with a message that does not mention cp_kv.
@@ -145,13 +144,13 @@ def derive_query_replication(args, pcp: int, options: CPKVOptions) -> None:
 SPECULATIVE_METHODS = ("mtp", "deepseek_mtp", "ngram")
 
 
-def check_speculative(speculative_config, pcp: int = 1, eager: bool = True) -> None:
+def check_speculative(speculative_config, eager: bool = True) -> None:
     """``--speculative-config``: a method that runs with sharded KV, where it
     was built and tested: CPU (vLLM's V1 model runner and its drafter,
-    plugin.py item 14) and GPU over the TP group in eager mode (vLLM's V2
-    runner and its speculator, item 15). Not under PCP (the speculator's
-    PCP draft prefill splits the draft batch across ranks) nor with CUDA
-    graphs (captured draft steps would replay a stale plan)."""
+    plugin.py item 14) and GPU in eager mode over the TP or the PCP group
+    (vLLM's V2 runner and its speculator, item 15; under PCP vLLM itself
+    allows single-module MTP only). Not with CUDA graphs (captured draft
+    steps would replay a stale plan)."""
     spec = speculative_config
     if isinstance(spec, str):
         import json
@@ -163,13 +162,12 @@ def check_speculative(speculative_config, pcp: int = 1, eager: bool = True) -> N
         raise CPKVConfigError(
             f"cp_kv: speculative method {method!r} is not supported with sharded KV; "
             "use \"mtp\" (DeepSeek MTP) or \"ngram\", or disable cp_kv.")
-    if _on_gpu() and (pcp > 1 or not eager):
+    if _on_gpu() and not eager:
         raise CPKVConfigError(
-            "cp_kv: speculative decoding with sharded KV runs on GPU over the "
-            "tensor-parallel group with --enforce-eager, not with "
-            f"{'--prefill-context-parallel-size > 1' if pcp > 1 else 'CUDA graphs'} "
-            "yet; use TP with --enforce-eager, remove --speculative-config, or "
-            "disable cp_kv.")
+            "cp_kv: speculative decoding with sharded KV runs on GPU with "
+            "--enforce-eager, not with CUDA graphs yet (captured draft steps would "
+            "replay a stale plan); add --enforce-eager, remove --speculative-config, "
+            "or disable cp_kv.")
 
 
 GRAPH_MODES = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE")

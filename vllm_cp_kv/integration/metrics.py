@@ -81,8 +81,11 @@ def metrics_dir() -> str | None:
 class ShardMetrics:
     """Per-worker figures; ``observe_*`` is called by the runtime."""
 
-    def __init__(self, vllm_config, shard_size: int, rank: int):
+    def __init__(self, vllm_config, shard_size: int, rank: int, first_on_node: bool = False):
         self.rank, self.shard_size = rank, shard_size
+        # the log line: shard rank 0, and the first worker of every node
+        # (a headless node serves no /metrics: docs/deployment.md)
+        self._logs = rank == 0 or first_on_node
         self.capacity_tokens = 0
         self._window = {"prefill_steps": 0, "decode_steps": 0, "prefill_bytes": 0,
                         "decode_bytes": 0, "saved_bytes": 0}
@@ -115,14 +118,14 @@ class ShardMetrics:
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
-        if now - self._last_log < LOG_INTERVAL_S or self.rank != 0:
+        if now - self._last_log < LOG_INTERVAL_S or not self._logs:
             return
         w, span = self._window, now - self._last_log
         per_decode = w["decode_bytes"] / max(w["decode_steps"], 1)
         logger.info(
-            "cp_kv: shard group %d, logical KV capacity %d tokens; last %.0f s: "
+            "cp_kv: shard group %d (rank %d), logical KV capacity %d tokens; last %.0f s: "
             "%d prefill steps gathered %.1f MiB, %d decode steps received "
-            "%.1f KiB per step%s", self.shard_size, self.capacity_tokens, span,
+            "%.1f KiB per step%s", self.shard_size, self.rank, self.capacity_tokens, span,
             w["prefill_steps"], w["prefill_bytes"] / 2**20, w["decode_steps"],
             per_decode / 2**10,
             f", last-token gather saved {w['saved_bytes'] / 2**20:.1f} MiB"

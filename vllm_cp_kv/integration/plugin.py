@@ -77,7 +77,9 @@ Why each is needed:
    :func:`unsharded_view`).
 9. Under PCP, vLLM 0.32's MoE layers route the PCP-gathered tokens but slice
    the rank-local padding mask (``topk_softmax ... is_padding size
-   mismatch``); hand them the gathered mask the PCP manager recorded.
+   mismatch``); hand them the gathered mask the PCP manager recorded. The
+   same for the V2 MTP drafter's forwards (its module imports
+   ``set_forward_context`` by name; a DeepSeek MTP layer is MoE).
 10. Sparse (DeepSeek-V3.2) models: the indexer cache's builder plans with the
     latent and sees the full view, and vLLM's indexer op runs on the full
     view (``sparse.py``).
@@ -114,8 +116,10 @@ Why each is needed:
     under the DCP layout. The sharded builders also decline vLLM's in-place
     update of draft decode metadata (``supports_draft_decode_metadata_
     update``, set in ``backend.ShardedBuilder``): an update in place would
-    leave the step's plan stale. Inert for drafters whose layers are not
-    sharded.
+    leave the step's plan stale. Under PCP the draft prefill runs on the
+    target's split; the chained steps run the whole batch on every rank,
+    so their new forward also drops the step's PCP split and padding masks.
+    Inert for drafters whose layers are not sharded.
 """
 
 from __future__ import annotations
@@ -371,9 +375,15 @@ def patch_forward_context() -> None:
         return
     _WORKER_PATCHES.add("forward_context")
     from vllm.v1.worker.gpu import model_runner
+    from vllm.v1.worker.gpu.spec_decode.target_dependent_ar import speculator
 
-    orig = model_runner.set_forward_context
+    # the V2 runner's forwards and its MTP drafter's (which imports the
+    # function by name): a DeepSeek MTP layer is MoE too
+    for module in (model_runner, speculator):
+        module.set_forward_context = _gathered_padding(module.set_forward_context)
 
+
+def _gathered_padding(orig):
     @functools.wraps(orig)
     def set_forward_context(attn_metadata, vllm_config, *args, is_padding=None,
                             **kwargs):
@@ -388,12 +398,13 @@ def patch_forward_context() -> None:
                         f"tokens, the forward has {is_padding.shape}; stale step state.")
                 is_padding = gathered
             else:
-                # dummy and profile runs are identical on every rank
+                # dummy and profile runs, and the drafter's chained steps
+                # (item 15), are identical on every rank
                 is_padding = is_padding.repeat(pcp)
         return orig(attn_metadata, vllm_config, *args, is_padding=is_padding,
                     **kwargs)
 
-    model_runner.set_forward_context = set_forward_context
+    return set_forward_context
 
 
 def _recorded_padding(attn_metadata):
@@ -555,7 +566,10 @@ def patch_v2_speculator() -> None:
         runtime = runtime_of_layers(self.vllm_config,
                                     sorted(getattr(self, "draft_attn_layer_names", ()) or ()))
         if runtime is not None:
-            runtime.new_forward()
+            # a chained draft step: the whole batch on every rank, one
+            # token a request, also under PCP (the draft prefill before it
+            # ran on the target's split and metadata)
+            runtime.new_forward(replicated=True)
         return orig(self, *args, **kwargs)
 
     cls._build_attn_metadata = _build_attn_metadata
@@ -622,6 +636,8 @@ REGISTRY = (
                   "vllm.v1.attention.backends.mla.indexer:get_dcp_group",
                   "vllm.config.parallel:ParallelConfig.decode_context_parallel_size")),
     Rebinding(9, ("vllm.v1.worker.gpu.model_runner:set_forward_context",
+                  "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator:"
+                  "set_forward_context",
                   "vllm.v1.worker.gpu.model_runner:GPUModelRunner.pcp_manager_cls"),
               params=("attn_metadata", "vllm_config", "is_padding")),
     Rebinding(10, ("vllm.model_executor.models.deepseek_v2:"

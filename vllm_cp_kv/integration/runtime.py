@@ -126,11 +126,17 @@ class ShardRuntime:
         finally:
             self.end_step(count)
 
-    def new_forward(self) -> None:
+    def new_forward(self, replicated: bool = False) -> None:
         """A forward of the open step with a batch of its own (each forward
-        of the speculative drafter): its builds plan anew."""
+        of the speculative drafter): its builds plan anew. ``replicated``:
+        that batch is the whole batch on every rank (the V2 speculator's
+        chained draft steps under PCP), so the step's PCP split and its
+        padding masks no longer describe it."""
         if self._batch is not None:
             self._batch.plans = {}
+            if replicated:
+                self._batch.pcp_step = None
+                self._batch.padding = None
 
     def step_open(self) -> bool:
         return self._batch is not None

@@ -71,7 +71,8 @@ def build(out_dir: str, *, gpu_heads: bool = False, num_layers: int = 3,
 
 def build_mtp(out_dir: str, *, num_layers: int = 2, hidden: int = 384, heads: int = 6,
               vocab: int = 700, seed: int = 0, init: float = 0.2,
-              max_positions: int = 4096, gpu_heads: bool = False, mix: float = 0.01) -> str:
+              max_positions: int = 4096, gpu_heads: bool = False, mix: float = 0.01,
+              moe: bool = False) -> str:
     """A tiny DeepSeek-V3 with one MTP layer (vLLM's ``mtp`` speculative
     method): ``num_layers`` dense MLA decoder layers with random weights
     and, at ``model.layers.<num_layers>.*``, the MTP layer (a decoder layer
@@ -84,7 +85,9 @@ def build_mtp(out_dir: str, *, num_layers: int = 2, hidden: int = 384, heads: in
     embedding; its head and norm are the target's ``lm_head`` and final
     norm): its drafts are accepted where the context does not change the
     target's choice, and depend on its attention over the MTP layer's own
-    KV. Skips if present."""
+    KV. ``moe``: the MTP layer's MLP is a mixture of experts, as DeepSeek-V3's
+    (its experts' outputs scaled by 0 too: the router still runs). Skips if
+    present."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     import torch
@@ -100,7 +103,7 @@ def build_mtp(out_dir: str, *, num_layers: int = 2, hidden: int = 384, heads: in
         num_key_value_heads=heads, q_lora_rank=None, kv_lora_rank=512,
         qk_rope_head_dim=64, qk_nope_head_dim=nope, v_head_dim=v, head_dim=64,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-        first_k_dense_replace=num_layers + 1, n_group=1, topk_group=1,
+        first_k_dense_replace=num_layers + (0 if moe else 1), n_group=1, topk_group=1,
         max_position_embeddings=max_positions, tie_word_embeddings=False,
         initializer_range=init, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -111,10 +114,11 @@ def build_mtp(out_dir: str, *, num_layers: int = 2, hidden: int = 384, heads: in
     prefix = f"model.layers.{num_layers}."
     main_file = os.path.join(out_dir, "model.safetensors")
     tensors = load_file(main_file)
-    for layer in range(num_layers + 1):
-        for name, scale in (("self_attn.o_proj.weight", mix), ("mlp.down_proj.weight", 0.0)):
-            key = f"model.layers.{layer}.{name}"
-            tensors[key] = tensors[key] * scale
+    for key in list(tensors):
+        if key.endswith("self_attn.o_proj.weight"):
+            tensors[key] = tensors[key] * mix
+        elif ".mlp." in key and key.endswith("down_proj.weight"):  # dense, experts, shared
+            tensors[key] = tensors[key] * 0.0
     save_file(tensors, main_file, metadata={"format": "pt"})
     # eh_proj's input is [enorm(embedding of the token), hnorm(hidden)]
     pass_embedding = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
@@ -130,6 +134,8 @@ def build_mtp(out_dir: str, *, num_layers: int = 2, hidden: int = 384, heads: in
     with open(path) as f:
         data = json.load(f)
     data.update(num_hidden_layers=num_layers, num_nextn_predict_layers=1)
+    if moe:  # the router's score-correction bias is a parameter with noaux_tc only
+        data.update(topk_method="noaux_tc")
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
     return out_dir
