@@ -14,6 +14,7 @@ node, see docs/deployment.md), CPU cores and the process table.
 """
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -114,6 +115,7 @@ def make_hosts(names, fallback: bool = False):
         why = "network namespaces need root"
     if why is None:
         try:
+            _remove_stale()
             return Hosts(names)
         except subprocess.CalledProcessError as e:
             why = f"cannot make network namespaces: {' '.join(e.cmd)}: {e.stderr.strip()}"
@@ -121,6 +123,20 @@ def make_hosts(names, fallback: bool = False):
         print(f"hosts: {why}; running on loopback")
         return None
     skip_or_fail(why)
+
+
+def _remove_stale():
+    """Namespaces and links an earlier, killed test run left (named after a
+    process that no longer exists)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    names = [line.split()[0] for line in listed.splitlines() if line.strip()]
+    names += [line.split(":")[1].strip().split("@")[0] for line in links.splitlines()]
+    for name in names:
+        m = re.match(r"cpkv(\d+)", name)
+        if m and not os.path.exists(f"/proc/{m[1]}"):
+            kind = "netns" if "-" in name else "link"
+            subprocess.run(["ip", kind, "del", name], capture_output=True)
 
 
 class Topology:
