@@ -6,6 +6,11 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 V=${1:-$ROOT/.venv}
 STAMP="$V/.vllm_cp_kv_env_v2"
+# the cross-host tests make network namespaces (ip, ss); as root only
+if [ "$(id -u)" = 0 ] && ! { command -v ip && command -v ss; } >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2
+fi
 if [ -f "$STAMP" ]; then
   "$V/bin/pip" install -q --no-deps -e "$ROOT" >/dev/null
   exit 0
