@@ -124,9 +124,6 @@ def test_pd_identical_to_single_instance(tiny_dsv2, tmp_path, transport):
         assert second["identical"] == second["prompts"] == 8, second
 
 
-@pytest.mark.skipif(os.environ.get("VLLM_CP_KV_RUN_PD_E2E") != "1",
-                    reason="opt-in (VLLM_CP_KV_RUN_PD_E2E=1): P/D with MTP, about 2 more "
-                           "minutes on 2 cores")
 def test_pd_with_mtp_on_the_decode(tiny_mtp, tmp_path):
     """A sharded prefill with MTP (TP=2) feeds an unsharded decode with MTP
     (TP=1) over NIXL: the decode receives every layer's owned blocks, the
