@@ -25,8 +25,13 @@ CPU: vLLM 0.32 on CPU, ``VLLM_CPU_KVCACHE_SPACE`` unset (the KV memory is
 ``--kv-cache-memory-bytes``), PyTorch rope derived by the plugin for the
 sharded servers and passed to the unsharded one, CPU_MLA (on CPUs with AMX
 vLLM would choose AMX_MLA, whose prefill reads the whole view: docs/design.md).
-GPU (two GPUs, not run here): ``--device cuda --backend FLASH_ATTN_MLA
---dtype bfloat16`` with a GPU model.
+GPU: ``--device cuda --backend FLASH_ATTN_MLA --dtype bfloat16`` (the demo
+model is then built with GPU head sizes) on two GPUs; ``--onegpu`` runs the
+two TP ranks on one GPU through the repo's one-GPU harness
+(scripts/gpu/onegpu/: gloo collectives, each rank 5% of the GPU's memory),
+with the client outside the harness. ``--configs`` may name a subset; the
+results of earlier calls into the same OUT_DIR are kept (one device call
+per server fits the device's limit).
 """
 
 from __future__ import annotations
@@ -45,17 +50,22 @@ import urllib.request
 from common import ROOT, free_port, meta, pyplot, result_dir, save_figure, write_json
 
 CONFIGS = ("unsharded", "sharded", "sharded_half")
+HARNESS = os.path.join(ROOT, "scripts", "gpu", "onegpu")
+# vLLM's command line as a module: the GPU payload has no console scripts
+VLLM = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 def server_cmd(a, name: str, port: int) -> list[str]:
     kv = a.kv_mib * 2**20 // (2 if name == "sharded_half" else 1)
-    cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", a.model,
+    cmd = [*VLLM, "serve", a.model,
            "--host", "127.0.0.1", "--port", str(port),
            "--tensor-parallel-size", str(a.tp), "--dtype", a.dtype,
            "--max-model-len", str(a.input_len + a.output_len + 16),
            "--kv-cache-memory-bytes", str(kv), "--enforce-eager", "--seed", "0"]
     if a.backend:
         cmd += ["--attention-backend", a.backend]
+    if a.onegpu:  # two ranks share the one GPU (scripts/gpu/onegpu)
+        cmd += ["--gpu-memory-utilization", "0.05", "--disable-custom-all-reduce"]
     if a.device == "cpu":
         cmd += ["--block-size", "16"]
     if name.startswith("sharded"):
@@ -101,9 +111,13 @@ def run_config(a, name: str) -> dict:
     port = free_port()
     log = os.path.join(a.out_dir, f"{name}.server.log")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    server_env = dict(env)
+    if a.onegpu:
+        server_env.update(ONEGPU="1", CUDA_VISIBLE_DEVICES="0", PYTHONPATH=os.pathsep.join(
+            p for p in (HARNESS, env.get("PYTHONPATH")) if p))
     with open(log, "w") as f:
         proc = subprocess.Popen(server_cmd(a, name, port), stdout=f, stderr=subprocess.STDOUT,
-                                env=env, cwd=ROOT, start_new_session=True)
+                                env=server_env, cwd=ROOT, start_new_session=True)
     peak, samples, stop = {"running": 0.0, "waiting": 0.0}, [], threading.Event()
     try:
         wait_ready(port, proc)
@@ -122,7 +136,7 @@ def run_config(a, name: str) -> dict:
         before = scrape(port)
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        client = [os.path.join(os.path.dirname(sys.executable), "vllm"), "bench", "serve",
+        client = [*VLLM, "bench", "serve",
                   "--backend", "vllm", "--model", a.model, "--tokenizer", a.model,
                   "--host", "127.0.0.1", "--port", str(port),
                   "--dataset-name", "random", "--random-input-len", str(a.input_len),
@@ -199,6 +213,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--backend", default="CPU_MLA")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--onegpu", action="store_true",
+                    help="cuda: both TP ranks on one GPU (the one-GPU harness)")
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--summarize", action="store_true",
@@ -217,7 +233,11 @@ def main() -> int:
     res = {k: getattr(a, k) for k in ("kv_mib", "input_len", "output_len", "num_prompts",
                                       "concurrency", "tp", "model", "dtype", "backend",
                                       "device")}
-    res.update(meta(), configs={})
+    res.update(meta(), onegpu=a.onegpu, configs={})
+    path = os.path.join(a.out_dir, "serve_bench.json")
+    if os.path.exists(path):  # an earlier call's servers (same flags)
+        with open(path) as f:
+            res["configs"] = json.load(f).get("configs", {})
     for name in a.configs.split(","):
         res["configs"][name] = run_config(a, name)
         print(name, json.dumps(res["configs"][name]), flush=True)
