@@ -241,7 +241,7 @@ def main() -> int:
     for name in a.configs.split(","):
         res["configs"][name] = run_config(a, name)
         print(name, json.dumps(res["configs"][name]), flush=True)
-        write_json(os.path.join(a.out_dir, "serve_bench.json"), res)
+        write_json(path, res)
     summarize(res, a.out_dir)
     return 0
 

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 SUBNETS = 512  # /24s in 198.18.0.0/15
 
@@ -91,6 +92,13 @@ class Hosts:
             found.append((host.strip("[]"), int(port)))
         return found
 
+    def connect(self, name, port, *addrs):
+        """From inside ``name``: connect to ``port`` at each of ``addrs``;
+        ``"open"`` or the error's class name for each."""
+        out = self.run(name, [sys.executable, "-c", _CONNECT, str(port), *addrs],
+                       check=True, timeout=60).stdout
+        return out.split()
+
     def close(self):
         for kind, what in reversed(self._made):
             if kind == "netns":
@@ -123,6 +131,24 @@ def make_hosts(names, fallback: bool = False):
         print(f"hosts: {why}; running on loopback")
         return None
     skip_or_fail(why)
+
+
+_CONNECT = """import socket, sys
+for host in sys.argv[2:]:
+    try:
+        socket.create_connection((host, int(sys.argv[1])), timeout=5).close()
+        print("open")
+    except OSError as e:
+        print(type(e).__name__)
+"""
+
+
+def store_port(log: str) -> int | None:
+    """torch.distributed's store port from a vLLM log (vLLM binds that store
+    to every address); None where the ranks rendezvous through a file (one
+    node)."""
+    m = re.search(r"distributed_init_method=tcp://[\d.]+:(\d+)", log)
+    return int(m[1]) if m else None
 
 
 def _remove_stale():

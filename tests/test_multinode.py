@@ -28,7 +28,7 @@ import pytest
 
 from builders import free_port
 from conftest import CPU_ENV, ROOT, needs_vllm
-from hosts import make_hosts
+from hosts import make_hosts, store_port
 from test_disaggregated import post, scrape, wait_until
 
 pytestmark = needs_vllm
@@ -165,7 +165,8 @@ def test_where_each_nodes_sharding_figures_are(runs):
 def test_every_node_listens_on_its_own_address(runs, hosts):
     for name in ("plain", "shard"):
         log, listening = runs[name]["logs"][0], runs[name]["listening"]
-        store = int(re.search(r"distributed_init_method=tcp://[\d.]+:(\d+)", log).group(1))
+        store = store_port(log)
+        assert store is not None  # two nodes rendezvous over TCP
         for node in NODES:
             off = [(h, p) for h, p in listening[node]
                    if h != hosts.addr[node] and not (node == "node0" and p == store)]
@@ -199,9 +200,7 @@ def test_the_hosts_separate_loopbacks_and_see_a_socket_on_every_address(hosts):
         with pytest.raises(ConnectionRefusedError):  # the root's loopback, not node 1's
             socket.create_connection(("127.0.0.1", loop), timeout=5)
         socket.create_connection((hosts.addr["node1"], own), timeout=5).close()
-        assert hosts.run("node0", [sys.executable, "-c", "import socket, sys; "
-                         "socket.create_connection((sys.argv[1], int(sys.argv[2])), 5)",
-                         hosts.addr["node1"], str(own)]).returncode == 0
+        assert hosts.connect("node0", own, hosts.addr["node1"]) == ["open"]
     finally:
         proc.kill()
         proc.wait()
