@@ -5,6 +5,7 @@ memory per rank, and sharded at half of it, driven by vLLM's own client
 Usage: python benchmarks/serve_bench.py OUT_DIR [--kv-mib 32] [--input-len 2000]
            [--output-len 128] [--num-prompts 32] [--concurrency 12] [--tp 2]
            [--model DIR] [--dtype float32] [--backend CPU_MLA] [--device cpu|cuda]
+           [--onegpu [--onegpu-comm shm|gloo]] [--stream-interval N] [--configs ...]
 
 Three servers, one after another, each with the same flags except the KV
 memory and the plugin: ``unsharded`` (``--kv-mib`` per rank), ``sharded``
@@ -16,7 +17,9 @@ that the unsharded server cannot hold every request in flight: it must
 queue or preempt. Reported per server (from ``vllm bench serve``'s JSON and
 the server's ``/metrics``, sampled every 0.25 s): request throughput,
 output tokens/s, TTFT and TPOT p50/p99, preemptions, the peak number of
-running requests, the KV capacity; and ``request_throughput_ratio``
+running requests, the KV capacity, the CPU seconds each process used (by
+role: workers, engine core, API server, client; what shares the host's
+cores); and ``request_throughput_ratio``
 (sharded / unsharded at equal memory), with the latency ratios of
 ``sharded_half`` against ``unsharded``. Writes ``serve_bench.json``,
 ``serve_bench.png`` and each server's log and client result.
@@ -28,8 +31,9 @@ vLLM would choose AMX_MLA, whose prefill reads the whole view: docs/design.md).
 GPU: ``--device cuda --backend FLASH_ATTN_MLA --dtype bfloat16`` (the demo
 model is then built with GPU head sizes) on two GPUs; ``--onegpu`` runs the
 two TP ranks on one GPU through the repo's one-GPU harness
-(scripts/gpu/onegpu/: gloo collectives, each rank 5% of the GPU's memory),
-with the client outside the harness. ``--configs`` may name a subset; the
+(scripts/gpu/onegpu/: each rank 5% of the GPU's memory; collectives through
+shared host memory, ``--onegpu-comm shm``, or gloo), with the client outside
+the harness. ``--configs`` may name a subset; the
 results of earlier calls into the same OUT_DIR are kept (one device call
 per server fits the device's limit).
 """
@@ -64,6 +68,8 @@ def server_cmd(a, name: str, port: int) -> list[str]:
            "--kv-cache-memory-bytes", str(kv), "--enforce-eager", "--seed", "0"]
     if a.backend:
         cmd += ["--attention-backend", a.backend]
+    if a.stream_interval > 1:  # vLLM's output batching: less frontend work per token
+        cmd += ["--stream-interval", str(a.stream_interval)]
     if a.onegpu:  # two ranks share the one GPU (scripts/gpu/onegpu)
         cmd += ["--gpu-memory-utilization", "0.05", "--disable-custom-all-reduce"]
     if a.device == "cpu":
@@ -85,6 +91,39 @@ def scrape(port: int) -> dict:
             rf"^{re.escape(key)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
         out[key] = sum(vals) if vals else None
     return out
+
+
+def cpu_times(sid: int, role: str | None = None) -> dict:
+    """CPU seconds (user + system) so far of every process in session
+    ``sid`` (the server and its children; the client runs in its own),
+    by pid: ``{pid: (role, seconds)}``. The role is ``role`` if given, else
+    vLLM's process title (``VLLM::EngineCore``, ``VLLM::Worker_TP0``, ...)
+    or "api_server"."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[3]) != sid:  # field 6: the session id
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        title = cmd[0].decode(errors="replace")
+        name = role or (title.split()[0] if title.startswith("VLLM::") else
+                        "api_server" if int(pid) == sid else "other")
+        out[int(pid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_by_role(snapshots: dict) -> dict:
+    """The last CPU seconds seen of each pid, summed by role."""
+    roles: dict = {}
+    for role, sec in snapshots.values():
+        roles[role] = roles.get(role, 0.0) + sec
+    return {k: round(v, 2) for k, v in sorted(roles.items())}
 
 
 def wait_ready(port: int, proc, timeout: float = 900) -> None:
@@ -113,14 +152,17 @@ def run_config(a, name: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     server_env = dict(env)
     if a.onegpu:
-        server_env.update(ONEGPU="1", CUDA_VISIBLE_DEVICES="0", PYTHONPATH=os.pathsep.join(
+        server_env.update(ONEGPU="1", ONEGPU_COMM=a.onegpu_comm, CUDA_VISIBLE_DEVICES="0",
+                          PYTHONPATH=os.pathsep.join(
             p for p in (HARNESS, env.get("PYTHONPATH")) if p))
     with open(log, "w") as f:
         proc = subprocess.Popen(server_cmd(a, name, port), stdout=f, stderr=subprocess.STDOUT,
                                 env=server_env, cwd=ROOT, start_new_session=True)
     peak, samples, stop = {"running": 0.0, "waiting": 0.0}, [], threading.Event()
+    cpu_start, cpu_seen = {}, {}  # where the host's cores go, by process role
     try:
         wait_ready(port, proc)
+        cpu_start = cpu_times(proc.pid)
 
         def sample():
             while not stop.is_set():
@@ -131,9 +173,13 @@ def run_config(a, name: str) -> dict:
                     peak["waiting"] = max(peak["waiting"], m["vllm:num_requests_waiting"] or 0)
                 except OSError:
                     pass
+                cpu_seen.update(cpu_times(proc.pid))
+                if client_sid[0]:
+                    cpu_seen.update(cpu_times(client_sid[0], "client"))
                 stop.wait(0.25)
 
         before = scrape(port)
+        client_sid = [0]
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         client = [*VLLM, "bench", "serve",
@@ -147,8 +193,15 @@ def run_config(a, name: str) -> dict:
                   "--metric-percentiles", "50,99", "--save-result",
                   "--result-dir", a.out_dir, "--result-filename", f"{name}.client.json"]
         with open(os.path.join(a.out_dir, f"{name}.client.log"), "w") as f:
-            subprocess.run(client, stdout=f, stderr=subprocess.STDOUT, check=True,
-                           timeout=a.timeout, cwd=ROOT, env=env)
+            bench = subprocess.Popen(client, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env=env, start_new_session=True)
+            client_sid[0] = bench.pid
+            try:
+                if bench.wait(a.timeout):
+                    raise RuntimeError(f"vllm bench serve exited with {bench.returncode}")
+            finally:
+                if bench.poll() is None:
+                    os.killpg(bench.pid, signal.SIGKILL)
         stop.set()
         sampler.join()
         after = scrape(port)
@@ -174,7 +227,10 @@ def run_config(a, name: str) -> dict:
                                  "mean_tpot_ms")},
         "preemptions": (after[pre] or 0) - (before[pre] or 0),
         "peak_running": peak["running"], "peak_waiting": peak["waiting"],
-        "metric_samples": len(samples)}
+        "metric_samples": len(samples),
+        # CPU seconds during the run, by process (server's from readiness on)
+        "cpu_seconds": cpu_by_role({pid: (role, sec - cpu_start.get(pid, (role, 0.0))[1])
+                                    for pid, (role, sec) in cpu_seen.items()})}
 
 
 def plot(res: dict, path: str) -> None:
@@ -215,6 +271,10 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--onegpu", action="store_true",
                     help="cuda: both TP ranks on one GPU (the one-GPU harness)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="vLLM's --stream-interval for every server (tokens per streamed chunk)")
+    ap.add_argument("--onegpu-comm", default="shm", choices=["shm", "gloo"],
+                    help="--onegpu: the harness's collectives (scripts/gpu/onegpu/shm_comm.py)")
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--summarize", action="store_true",
@@ -232,8 +292,10 @@ def main() -> int:
     result_dir(a.out_dir)
     res = {k: getattr(a, k) for k in ("kv_mib", "input_len", "output_len", "num_prompts",
                                       "concurrency", "tp", "model", "dtype", "backend",
-                                      "device")}
+                                      "device", "stream_interval")}
     res.update(meta(), onegpu=a.onegpu, configs={})
+    if a.onegpu:
+        res["onegpu_comm"] = a.onegpu_comm
     path = os.path.join(a.out_dir, "serve_bench.json")
     if os.path.exists(path):  # an earlier call's servers (same flags)
         with open(path) as f:

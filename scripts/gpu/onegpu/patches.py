@@ -35,7 +35,9 @@ Why:
 
 1-3. Every group (world, TP, PCP, DCP) on gloo, through torch.distributed,
      instead of PyNccl, custom all-reduce and symmetric memory, which need
-     one device per rank.
+     one device per rank; with ``ONEGPU_COMM=shm`` as well, the all-reduces,
+     all-gathers and reduce-scatters through shared host memory
+     (:mod:`shm_comm`: timings then stop being mostly gloo's).
 4-6. vLLM maps local ranks to physical GPUs and forbids duplicates; here
      every rank maps to GPU 0, so the worker and ``GroupCoordinator`` both
      pick ``cuda:0``. The explicit "mp" executor skips ParallelConfig's
@@ -100,7 +102,10 @@ def communicator_cls():
         ``all_gatherv``/``reduce_scatterv`` by padding and a full all-reduce,
         and CudaCommunicator's attribute names, all None (no custom
         all-reduce, PyNccl or symmetric memory). No ``dist_module``: the
-        plugin gathers through its torch.distributed branch."""
+        plugin gathers through its torch.distributed branch. With
+        ``ONEGPU_COMM=shm`` the all-reduce, all-gather and reduce-scatter go
+        through shared host memory instead of gloo (:mod:`shm_comm`; gloo
+        still for tensors over a slot and everything else)."""
 
         def __init__(self, cpu_group, device=None, device_group=None, unique_name="",
                      global_ranks=None, global_world_size=None, use_all2all=False,
@@ -109,17 +114,36 @@ def communicator_cls():
                              global_ranks, global_world_size, use_all2all)
             self.ca_comm = self.pynccl_comm = self.fi_pcie_ipc_ar_comm = None
             self.qr_comm = self.symm_mem_comm = self.aiter_ar_comm = None
+            self.shm = None
+            if os.environ.get("ONEGPU_COMM", "gloo") == "shm" and self.world_size > 1:
+                from shm_comm import ShmExchange
+
+                self.shm = ShmExchange(cpu_group, unique_name)
             _log(f"comm {unique_name} rank {self.rank_in_group}/{self.world_size} "
                  f"device={self.device} backend="
-                 f"{dist.get_backend(device_group) if device_group is not None else None}")
+                 f"{dist.get_backend(device_group) if device_group is not None else None}"
+                 f"{' collectives=shm' if self.shm else ''}")
 
         def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-            out = input_.clone(memory_format=torch.contiguous_format)
-            dist.all_reduce(out, group=self.device_group)
+            out = self.shm.all_reduce(input_) if self.shm else None
+            if out is None:
+                out = input_.clone(memory_format=torch.contiguous_format)
+                dist.all_reduce(out, group=self.device_group)
             return out
 
         def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+            if self.shm and self.world_size > 1:
+                out = self.shm.all_gather(input_, dim + input_.dim() if dim < 0 else dim)
+                if out is not None:
+                    return out
             return super().all_gather(input_.contiguous(), dim)
+
+        def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+            if self.shm:
+                out = self.shm.reduce_scatter(input_, dim + input_.dim() if dim < 0 else dim)
+                if out is not None:
+                    return out
+            return super().reduce_scatter(input_, dim)
 
         def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1):
             full = self.all_gather(input_, dim)
