@@ -93,27 +93,27 @@ def scrape(port: int) -> dict:
     return out
 
 
-def cpu_times(sid: int, role: str | None = None) -> dict:
-    """CPU seconds (user + system) so far of every process in session
-    ``sid`` (the server and its children; the client runs in its own),
-    by pid: ``{pid: (role, seconds)}``. The role is ``role`` if given, else
-    vLLM's process title (``VLLM::EngineCore``, ``VLLM::Worker_TP0``, ...)
-    or "api_server"."""
+def cpu_times(sessions: dict) -> dict:
+    """CPU seconds (user + system) so far of every process in the sessions
+    ``{sid: role}`` (the server's, with its children; the client's), by pid:
+    ``{pid: (role, seconds)}``. A role of None names the process by vLLM's
+    process title (``VLLM::EngineCore``, ``VLLM::Worker_TP0``, ...), the
+    session leader "api_server", anything else "other"."""
     tick, out = os.sysconf("SC_CLK_TCK"), {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
             fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[3]) != sid:  # field 6: the session id
+            sid = int(fields[3])  # field 6: the session id
+            if sid not in sessions:
                 continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
+                title = f.read().split(b"\0")[0].decode(errors="replace")
         except (OSError, ValueError):
             continue
-        title = cmd[0].decode(errors="replace")
-        name = role or (title.split()[0] if title.startswith("VLLM::") else
-                        "api_server" if int(pid) == sid else "other")
+        name = sessions[sid] or (title.split()[0] if title.startswith("VLLM::") else
+                                 "api_server" if int(pid) == sid else "other")
         out[int(pid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
     return out
 
@@ -160,9 +160,10 @@ def run_config(a, name: str) -> dict:
                                 env=server_env, cwd=ROOT, start_new_session=True)
     peak, samples, stop = {"running": 0.0, "waiting": 0.0}, [], threading.Event()
     cpu_start, cpu_seen = {}, {}  # where the host's cores go, by process role
+    sessions = {proc.pid: None}  # the client's joins once it starts
     try:
         wait_ready(port, proc)
-        cpu_start = cpu_times(proc.pid)
+        cpu_start = cpu_times(sessions)
 
         def sample():
             while not stop.is_set():
@@ -173,13 +174,10 @@ def run_config(a, name: str) -> dict:
                     peak["waiting"] = max(peak["waiting"], m["vllm:num_requests_waiting"] or 0)
                 except OSError:
                     pass
-                cpu_seen.update(cpu_times(proc.pid))
-                if client_sid[0]:
-                    cpu_seen.update(cpu_times(client_sid[0], "client"))
+                cpu_seen.update(cpu_times(dict(sessions)))
                 stop.wait(0.25)
 
         before = scrape(port)
-        client_sid = [0]
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         client = [*VLLM, "bench", "serve",
@@ -195,7 +193,7 @@ def run_config(a, name: str) -> dict:
         with open(os.path.join(a.out_dir, f"{name}.client.log"), "w") as f:
             bench = subprocess.Popen(client, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
                                      env=env, start_new_session=True)
-            client_sid[0] = bench.pid
+            sessions[bench.pid] = "client"
             try:
                 if bench.wait(a.timeout):
                     raise RuntimeError(f"vllm bench serve exited with {bench.returncode}")

@@ -132,15 +132,15 @@ def communicator_cls():
             return out
 
         def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
-            if self.shm and self.world_size > 1:
-                out = self.shm.all_gather(input_, dim + input_.dim() if dim < 0 else dim)
+            if self.shm:
+                out = self.shm.all_gather(input_, dim)
                 if out is not None:
                     return out
             return super().all_gather(input_.contiguous(), dim)
 
         def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
             if self.shm:
-                out = self.shm.reduce_scatter(input_, dim + input_.dim() if dim < 0 else dim)
+                out = self.shm.reduce_scatter(input_, dim)
                 if out is not None:
                     return out
             return super().reduce_scatter(input_, dim)

@@ -10,7 +10,6 @@ Usage: python scripts/gpu/onegpu/shm_check.py
 """
 
 import os
-import socket
 import sys
 import time
 
@@ -18,7 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "..", "..", "benchmarks")]
+from common import free_port  # noqa: E402
 
 
 def _run(rank: int, n: int, port: int) -> None:
@@ -41,10 +42,11 @@ def _run(rank: int, n: int, port: int) -> None:
                 total += y
             got = ex.all_reduce(mine)
             assert got.device == mine.device and torch.equal(got.cpu(), total), "all_reduce"
-            for d in range(3):
+            for d in (0, 1, 2, -1):  # vLLM passes negative dims as they come
                 assert torch.equal(ex.all_gather(mine, d).cpu(), torch.cat(ys, d)), "all_gather"
-            want = total.chunk(n, 1)[rank]
-            assert torch.equal(ex.reduce_scatter(mine, 1).cpu(), want), "reduce_scatter"
+            for d in (1, -2):
+                want = total.chunk(n, d)[rank]
+                assert torch.equal(ex.reduce_scatter(mine, d).cpu(), want), "reduce_scatter"
         flags = [x > 0 for x in xs]
         assert torch.equal(ex.all_gather(flags[rank].to(dev), 0).cpu(), torch.cat(flags, 0))
     assert ex.exchange(torch.zeros(1 << 19, device=dev)) is None  # 2 MiB > a 1 MiB slot
@@ -76,10 +78,7 @@ def _run(rank: int, n: int, port: int) -> None:
 
 def main() -> int:
     for n in (2, 3):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_run, args=(n, port), nprocs=n)
+        mp.spawn(_run, args=(n, free_port()), nprocs=n)
     return 0
 
 
