@@ -135,8 +135,9 @@ class Producer:
             return Ok(nonce=msg.nonce)
 
     def _fetch(self, msg: Fetch, entry: Served, now: float) -> FetchReply | Error:
-        until = min(now + min(msg.lease_s, MAX_LEASE_S), entry.lease_limit)
-        if until <= now or (msg.reader not in entry.leases and len(entry.leases) >= 1024):
+        # The grant is a duration, clamped as one: (now + x) - now need not give x back.
+        granted = min(msg.lease_s, MAX_LEASE_S, entry.lease_limit - now)
+        if granted <= 0 or (msg.reader not in entry.leases and len(entry.leases) >= 1024):
             return Error(nonce=msg.nonce, reason=f"prefill rank {self.rank}: no more claims "
                                                  "on this request")
         try:
@@ -144,10 +145,10 @@ class Producer:
                                       entry.table, entry.num_tokens)
         except ManifestError as e:
             return Error(nonce=msg.nonce, reason=f"prefill rank {self.rank}: {e}")
-        entry.leases[msg.reader] = until
+        entry.leases[msg.reader] = now + granted
         self._leased.set()
         return FetchReply(nonce=msg.nonce, handshake=self.handshake, manifest=manifest,
-                          lease_s=until - now)
+                          lease_s=granted)
 
     # ---- under the lock -----------------------------------------------------------
     def _lookup(self, req_id: str, token: str) -> Served | None:
