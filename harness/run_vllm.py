@@ -278,6 +278,11 @@ def run(a) -> dict:
             res["phases"].append(summarize(outs))
             if a.stats:
                 res["phases"][-1]["stats"] = llm.collective_rpc("cp_kv_stats")
+            if a.spec:  # this phase's drafts: vLLM's counters less the phases before
+                total = spec_decode_counters(llm)
+                res["phases"][-1]["spec_decode"] = {
+                    k: v - sum(ph["spec_decode"][k] for ph in res["phases"][:-1])
+                    for k, v in total.items()}
         outs = None  # per phase above
     else:
         outs = llm.generate(texts, sp)

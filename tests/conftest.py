@@ -87,21 +87,94 @@ def harness_env(**switches) -> dict:
         p for p in (HARNESS, os.environ.get("PYTHONPATH")) if p)}
 
 
+class ForkServer:
+    """One ``harness/forkserver.py`` for the session: runs of the runner fork
+    from a process that imported vLLM once (about 10 s saved per run)."""
+
+    def __init__(self):
+        import queue
+        import threading
+
+        self.env = {**os.environ, **CPU_ENV}
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "harness", "forkserver.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env,
+            cwd=ROOT)
+        self.replies = queue.Queue()  # the server's answers, read as they come
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.replies.put(json.loads(line))
+        self.replies.put({"pid": None, "rc": None})  # the server is gone
+
+    def _reply(self, key, timeout):
+        value = self.replies.get(timeout=timeout)[key]
+        if value is None:
+            raise RuntimeError(f"the fork server exited (rc {self.proc.wait()})")
+        return value
+
+    def takes(self, env: dict) -> bool:
+        """Jobs whose interpreter start is the server's (same PYTHONPATH)."""
+        return self.proc.poll() is None and \
+            env.get("PYTHONPATH") == self.env.get("PYTHONPATH")
+
+    def run(self, argv, env, log, timeout) -> int:
+        import queue
+
+        job = {"argv": list(argv), "env": env, "cwd": ROOT, "log": log}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        pid = self._reply("pid", 120)
+        try:
+            return self._reply("rc", timeout)
+        except queue.Empty:
+            os.killpg(pid, 9)  # the run and the workers it started
+            self._reply("rc", 60)
+            raise subprocess.TimeoutExpired(argv, timeout) from None
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+_fork_server = None
+
+
+def fork_server():
+    global _fork_server
+    if _fork_server is None and vllm_available():
+        _fork_server = ForkServer()
+    return _fork_server
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _fork_server is not None:
+        _fork_server.close()
+
+
 def run_generate(model, out_dir, name, *args, env=None, timeout=600):
-    """Run harness/run_vllm.py in a fresh process; return its JSON."""
+    """Run harness/run_vllm.py as its own process (a fork of the session's
+    fork server where the environment allows, else a fresh interpreter);
+    return its JSON."""
     out = os.path.join(out_dir, f"{name}.json")
+    log = os.path.join(out_dir, f"{name}.log")
     full_env = {**os.environ, **CPU_ENV, **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset
-    proc = subprocess.run(
-        [sys.executable, RUNNER, model, out, *args],
-        env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    log = os.path.join(out_dir, f"{name}.log")
-    with open(log, "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"{name} failed, see {log}:\n{proc.stderr[-3000:]}"
+    argv = [model, out, *args]
+    server = fork_server()
+    if server is not None and server.takes(full_env):
+        rc = server.run(argv, full_env, log, timeout)
+    else:
+        with open(log, "w") as f:
+            rc = subprocess.run([sys.executable, RUNNER, *argv], env=full_env, cwd=ROOT,
+                                stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    with open(log) as f:
+        text = f.read()
+    assert rc == 0, f"{name} failed, see {log}:\n{text[-3000:]}"
     with open(out) as f:
         res = json.load(f)
-    res["log"] = proc.stdout + proc.stderr
+    res["log"] = text
     return res
 
 

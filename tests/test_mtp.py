@@ -15,8 +15,9 @@ the target's (capacity >= 1.9x at equal memory), verification rows reach
 the shard-aware decode as rows of 1 + k query tokens, and the bytes a rank
 receives per decode step are the same at both context lengths. Negative
 control: one owned block of the MTP layer's cache overwritten after the
-prefill changes the accepted count (the tokens cannot change: the target
-verifies every draft). Prefix caching with MTP: the second wave hits
+prefill changes the accepted count against phase 1 of the k = 2 run, which
+poisons every cache first (the tokens cannot change: the target verifies
+every draft). Prefix caching with MTP: the second wave hits
 (vLLM's counters), tokens equal the unsharded run's. n-gram lookup: tokens
 equal to the run without speculation.
 """
@@ -53,18 +54,15 @@ def runs(tiny_mtp, tmp_path_factory):
     for k in (1, 2, 3):
         out[f"plain{k}"] = run_generate(tiny_mtp, d, f"plain{k}", *ARGS, "--no-plugin",
                                         *spec(k), env=KV)
+        # k = 2: debug checks on, and every cache poisoned first: the clean
+        # run of the negative control below
         out[f"shard{k}"] = run_generate(
             tiny_mtp, d, f"shard{k}", *ARGS, "--shard", "--stats", *spec(k),
+            *(("--poison",) if k == 2 else ()),
             env={**KV, "VLLM_CP_KV_DEBUG": "1"} if k == 2 else KV)
-    out["corrupt"] = run_generate(tiny_mtp, d, "corrupt", "--dtype", "float32", "--backend",
-                                  "CPU_MLA", "--torch-rope", "--max-model-len", "2100",
-                                  "--token-prompts", PHASES.split(";")[0], "--max-tokens",
-                                  "24", "--shard", "--poison", "--corrupt-after-prefill",
-                                  "--corrupt-layer", "-1", *spec(2), env=KV)
-    out["clean"] = run_generate(tiny_mtp, d, "clean", "--dtype", "float32", "--backend",
-                                "CPU_MLA", "--torch-rope", "--max-model-len", "2100",
-                                "--token-prompts", PHASES.split(";")[0], "--max-tokens",
-                                "24", "--shard", "--poison", *spec(2), env=KV)
+    out["corrupt"] = run_generate(tiny_mtp, d, "corrupt", *ARGS, "--shard", "--poison",
+                                  "--corrupt-after-prefill", "--corrupt-layer", "-1",
+                                  *spec(2), env=KV)  # runs phase 1 only
     out["ngram"] = run_generate(tiny_mtp, d, "ngram", *ARGS, "--shard", *spec(3, "ngram"),
                                 env=KV)
     waves = ("--dtype", "float32", "--backend", "CPU_MLA", "--torch-rope",
@@ -127,8 +125,11 @@ def test_debug_checks_ran_under_mtp(runs):
 
 
 def test_corrupting_one_owned_block_of_the_mtp_layer_changes_the_drafts(runs):
-    clean, corrupt = runs["clean"], runs["corrupt"]
+    """The corrupted run is phase 1 of shard2 (the same prompts on a fresh
+    engine) with one owned block of the MTP layer overwritten after the prefill."""
+    clean, corrupt = runs["shard2"]["phases"][0], runs["corrupt"]
     assert corrupt["corrupted_block"][1] is not None  # rank 1 overwrote one
+    assert clean["prompt_lens"] == corrupt["prompt_lens"]
     assert clean["tokens"] == corrupt["tokens"]  # the target verifies every draft
     assert clean["spec_decode"] != corrupt["spec_decode"], clean["spec_decode"]
 
