@@ -368,7 +368,18 @@ def test_a_fake_peers_nixl_metadata_leaves_the_real_prefill_working(servers, ref
         with sc.SideChannelClient(servers.host["prefill"], servers.side + r, None, 30) as c:
             ask = dict(nonce=sc.new_nonce(), request_id=own["remote_request_id"],
                        token=own["transfer_token"], reader="attacker")
-            replies.append(c.ask(sc.Fetch(lease_s=30, **ask), sc.FetchReply))
+            # the prefill's workers learn of the finished request at its next
+            # engine step: a fast asker is refused until then (a decode retries too)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    replies.append(c.ask(sc.Fetch(lease_s=30, **ask), sc.FetchReply))
+                    break
+                except sc.Refused:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+                    ask["nonce"] = sc.new_nonce()
             c.ask(sc.Done(**dict(ask, nonce=sc.new_nonce()), readers=1), sc.Ok)
     meta = replies[0].handshake.transport_meta
     cut = msgspec.structs.replace(meta, agent_name="fake-" + secrets.token_hex(4),
