@@ -199,6 +199,14 @@ def role_reference(a):
 
 def role_prefill(a):
     llm = _llm(a, "prefill")
+    if a.device == "cpu":
+        # The instances share the machine's cores, and a prefill holding
+        # blocks for a transfer keeps stepping its engine, after each step of
+        # which vLLM's workers spin for a second: a decode still starting next
+        # to that was starved (NIXL's UCX backend took 125 s on 2 cores and
+        # the blocks expired). Prefill once the decode is up (or gone).
+        _wait_file(os.path.join(a.workdir, "decode.ready"),
+                   os.path.join(a.workdir, "decode.done"))
     waves, first_tokens = [], []
     for k, wave in enumerate(_waves(a, llm)):
         if k:  # after the decode finished the wave before (its blocks were freed)
@@ -239,8 +247,9 @@ def _publish(a, k: int, params) -> None:
 
 
 def role_decode(a):
-    llm = _llm(a, "decode")
     try:
+        llm = _llm(a, "decode")
+        open(os.path.join(a.workdir, "decode.ready"), "w").close()
         waves = []
         for k, wave in enumerate(_waves(a, llm)):
             path = os.path.join(a.workdir, f"params{k}.json")
