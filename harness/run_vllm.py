@@ -274,15 +274,15 @@ def run(a) -> dict:
         for phase in phases:
             if a.stats:
                 llm.collective_rpc("cp_kv_stats", kwargs={"reset": True})
+            before = spec_decode_counters(llm) if a.spec else None
             outs = llm.generate(phase, sp)
             res["phases"].append(summarize(outs))
             if a.stats:
                 res["phases"][-1]["stats"] = llm.collective_rpc("cp_kv_stats")
-            if a.spec:  # this phase's drafts: vLLM's counters less the phases before
-                total = spec_decode_counters(llm)
+            if a.spec:  # this phase's drafts, as run_waves counts prefix hits
+                after = spec_decode_counters(llm)
                 res["phases"][-1]["spec_decode"] = {
-                    k: v - sum(ph["spec_decode"][k] for ph in res["phases"][:-1])
-                    for k, v in total.items()}
+                    key: after[key] - before[key] for key in after}
         outs = None  # per phase above
     else:
         outs = llm.generate(texts, sp)

@@ -6,7 +6,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import json
+import queue
 import subprocess
+import threading
 
 import pytest
 
@@ -92,9 +94,6 @@ class ForkServer:
     from a process that imported vLLM once (about 10 s saved per run)."""
 
     def __init__(self):
-        import queue
-        import threading
-
         self.env = {**os.environ, **CPU_ENV}
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "harness", "forkserver.py")],
@@ -120,8 +119,6 @@ class ForkServer:
             env.get("PYTHONPATH") == self.env.get("PYTHONPATH")
 
     def run(self, argv, env, log, timeout) -> int:
-        import queue
-
         job = {"argv": list(argv), "env": env, "cwd": ROOT, "log": log}
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
