@@ -1,25 +1,33 @@
-"""Every multi-rank GPU path of cp_kv in real vLLM 0.32 on ONE GPU: the
-one-GPU harness (scripts/gpu/onegpu: gloo collectives, every rank on GPU 0,
-eager only), several runs at a time.
+"""Every multi-rank GPU path of cp_kv in real vLLM 0.32 on ONE GPU, in
+vLLM's default mode: CUDA graphs on (FULL_AND_PIECEWISE, default capture
+sizes), every rank on GPU 0 with real NCCL (the one-GPU harness,
+scripts/gpu/onegpu, ``ONEGPU_COMM=nccl``: a distinct ``NCCL_HOSTID`` per
+rank), several runs at a time. Runs that are eager say why in their name:
+``-debug`` (``VLLM_CP_KV_DEBUG=1`` checks on the host, which a replayed graph
+skips; the plugin refuses it with graphs), ``-eager`` (a reference: graphs
+against eager), ``-old`` (the plugin before the captured decode was fixed:
+the negative control, in graphs mode).
 
 Usage (on the GPU machine, after ``source scripts/gpu/setup_device.sh``):
     python benchmarks/gpu_onegpu.py OUT_DIR [--runs GROUP|NAME,...]
-        [--budget-s 540] [--parallel 4]
+        [--budget-s 540] [--parallel 6] [--comm nccl|gloo|shm]
     python benchmarks/gpu_onegpu.py OUT_DIR --summarize   (here, afterwards)
     python benchmarks/gpu_onegpu.py OUT_DIR --against OLD_DIR  (a re-run of
         runs whose references are in OLD_DIR: same tokens, statistics, hits)
-GROUPs: ``tp`` (TP=2 with FLASH_ATTN_MLA, FLASHMLA, TRITON_MLA, their
-multi-token decode rows, prefix caching, TP=4), ``pcp`` (PCP=2 dense, MoE,
-both sparse backends), ``pd`` (a TP=2 sharded prefill feeding a TP=1 decode
-over NIXL), ``all``.
+GROUPs: ``graphs`` (TP=2 on FLASH_ATTN_MLA, FLASHMLA and TRITON_MLA in
+FULL_AND_PIECEWISE and FULL_DECODE_ONLY against TP=2 unsharded with graphs,
+sharded eager with the debug checks, TP=1, prompts of 1 token to 40K; the
+negative control), ``more`` (TP=4, PCP=2 dense, MoE and both sparse
+backends, prefix hits, the chunked context with and without the prefetch,
+MTP k=1..3, P/D, decode step times), ``all``.
 
 Runs go through ``harness/run_vllm.py`` (and ``vllm_cp_kv.tools.pd_offline``)
 as in benchmarks/gpu_vllm_checks.py, with a fixed KV budget per rank
 (``--kv-bytes``: no memory profiling, so ranks that share the GPU do not
 count each other's memory) and a small ``gpu_memory_utilization``, so that
-up to ``--parallel`` runs share the GPU. Sharded correctness runs have
-``VLLM_CP_KV_DEBUG=1``. Writes OUT_DIR/<run>.json|.log, OUT_DIR/summary.json
-(runs, checks, wall seconds), OUT_DIR/onegpu.png, and prints the checks.
+up to ``--parallel`` runs share the GPU. Writes OUT_DIR/<run>.json|.log,
+OUT_DIR/summary.json (runs, checks, wall seconds, capture seconds and graph
+memory per rank from vLLM's logs), OUT_DIR/onegpu.png, and prints the checks.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,149 +45,110 @@ from common import ROOT, RUN_VLLM, pyplot, result_dir, save_figure, write_json
 from vllm_cp_kv.tools import tiny_model
 
 HARNESS = os.path.join(ROOT, "scripts", "gpu", "onegpu")
-KV = str(4 << 30)  # per rank: the scratch view (8 x 8,200 tokens, one layer) is < 2%
+# the plugin before the captured decode was fixed (a copy of the package,
+# carried as .old/vllm_cp_kv): the negative control
+OLD = os.path.join(ROOT, ".old")
+KV = str(4 << 30)  # per rank: the scratch view is < 2%
 BASE = ["--gpu-mem", "0.05", "--kv-bytes", KV]
 PROMPTS = "1,40,250,700,1990,3000,4000,8000"  # 1 token to 8K
+# ... and two of 32K and more: 10 requests, 8 at a time, so decode batches
+# of 1 to 8 rows (capture sizes 1, 2, 4, 8 and padding in between)
+LONG = PROMPTS + ",32768,40000"
 GEN = ["--token-prompts", PROMPTS, "--max-model-len", "8200", "--max-tokens", "24"]
-# two phases of 4 requests, contexts about 10x apart: bytes per decode step
-PHASES = ["--token-prompts", "40,250,300,700;3000,4000,6000,8000", "--max-model-len",
-          "8200", "--max-tokens", "24"]
+GEN_LONG = ["--token-prompts", LONG, "--max-model-len", "40200", "--max-tokens", "24"]
 WAVES = GEN + ["--suffix-len", "24"]
+GRAPHS = ["--cuda-graphs"]  # vLLM's default: FULL_AND_PIECEWISE, default sizes
 DEBUG = {"VLLM_CP_KV_DEBUG": "1"}
-SHIM = {"CPKV_SHIM_DECODE_THRESHOLD": "64"}  # patches.py no. 8
-# patches.py no. 9 (pd_hooks.py): the decode writes every pull's blocks
-# without their logical positions
-DROP = {"CPKV_TEST_HOOKS": "1", "CPKV_TEST_IGNORE_POSITIONS": "1"}
 BACKENDS = {"FA": "FLASH_ATTN_MLA", "FM": "FLASHMLA", "TR": "TRITON_MLA"}
 SPARSE = {"fas": ["--backend", "FLASH_ATTN_MLA_SPARSE"],
           "fms": ["--backend", "FLASHMLA_SPARSE", "--kv-cache-dtype", "fp8_ds_mla"]}
 SPARSE_GEN = ["--prompt-repeat", "3", "--max-model-len", "4096", "--sorted-topk"]
+SHARD = ["--shard", "--poison", "--stats"]
+TIME = ["--time-decode", "32"]
 
 
 def runs() -> dict:
     """name -> (model, args, harness on, env). ``model`` "pd" is a P/D run."""
     tp2, tp4, pcp2 = ["--tp", "2"], ["--tp", "4"], ["--tp", "1", "--pcp", "2"]
-    r = {"tp1-FA-plain": ("moe", ["--tp", "1", "--no-plugin", "--backend",
-                                  "FLASH_ATTN_MLA"] + GEN, False, {})}
-    for k, b in BACKENDS.items():
-        be = ["--backend", b]
-        r[f"tp2-{k}-plain"] = ("moe", tp2 + be + GEN + ["--no-plugin"], True, {})
-        r[f"tp2-{k}-shard"] = ("moe", tp2 + be + GEN + ["--shard", "--poison", "--stats"], True, DEBUG)
-        # each backend's own routing kept (FLASH_ATTN_MLA: prefills <= 512
-        # tokens, FLASHMLA <= 128, TRITON_MLA <= 64 by the shim): short
-        # prompts and wave 2's short extensions of a cached context reach the
-        # shard-aware decode as rows with several query tokens
-        r[f"tp2-{k}-multi"] = ("moe", tp2 + be + WAVES + ["--shard", "--waves", "2",
-                                                       "--stats"], True, {**DEBUG, **SHIM})
-    # the materializing decode: the inner kernel on the full view, so the
-    # same kernels per request as unsharded (bit-identical expected)
-    r["tp2-FA-mat"] = ("moe", tp2 + ["--backend", "FLASH_ATTN_MLA"] + GEN + [
-        "--cp-kv", '{"decode": "materialize"}'], True, DEBUG)
-    r["tp2-FA-bytes"] = ("moe", tp2 + ["--backend", "FLASH_ATTN_MLA"] + PHASES
-                         + ["--shard", "--stats"], True, {})
     fa = ["--backend", "FLASH_ATTN_MLA"]
-    r["tp2-prefix-plain"] = ("moe", tp2 + fa + WAVES + ["--no-plugin", "--waves", "2"],
+    r = {"tp1-FA-plain": ("moe", ["--tp", "1", "--no-plugin"] + fa + GEN_LONG + GRAPHS,
+                          False, {}),
+         "tp2-FA-plain-eager": ("moe", tp2 + fa + GEN_LONG + ["--no-plugin"] + TIME,
+                                True, {}),
+         "tp2-FA-old": ("moe", tp2 + fa + GEN_LONG + GRAPHS + SHARD, True,
+                        {"CPKV_PACKAGE": OLD})}
+    for k, b in BACKENDS.items():
+        be = tp2 + ["--backend", b] + GEN_LONG
+        timed = TIME if k == "FA" else []
+        r[f"tp2-{k}-plain"] = ("moe", be + GRAPHS + ["--no-plugin"] + timed, True, {})
+        r[f"tp2-{k}-shard"] = ("moe", be + GRAPHS + SHARD + timed, True, {})
+        r[f"tp2-{k}-fdo"] = ("moe", be + ["--graph-mode", "FULL_DECODE_ONLY"] + SHARD,
                              True, {})
-    r["tp2-prefix-shard"] = ("moe", tp2 + fa + WAVES + [
-        "--shard", "--waves", "3", "--poison", "--corrupt-between-waves"], True, DEBUG)
-    # the bounded scratch: wave 2's hits (up to 8K tokens) read through a
-    # 1,024-token workspace, chunk by chunk; rank 1's 21st block (the
-    # 1,990-token prompt's tokens from 21 x 64) corrupted before wave 3
-    for k, b in BACKENDS.items():
-        r[f"tp2-{k}-chunk"] = ("moe", tp2 + ["--backend", b] + WAVES + [
-            "--shard", "--waves", "3", "--poison", "--corrupt-between-waves",
-            "--corrupt-index", "20", "--stats", "--cp-kv", '{"workspace_tokens": 1024}'],
-            True, DEBUG)
-    # the layer-ahead prefetch over (layer, chunk) items
-    r["tp2-FA-chunk-prefetch"] = ("moe", tp2 + fa + WAVES + [
-        "--shard", "--waves", "3", "--poison", "--corrupt-between-waves",
-        "--corrupt-index", "20", "--stats", "--cp-kv",
-        '{"workspace_tokens": 1024, "prefetch": true}'], True, DEBUG)
-    r["tp2-FA-chunk-single"] = ("moe", tp2 + fa + WAVES + [
-        "--shard", "--waves", "2", "--stats"], True, DEBUG)
-    # DeepSeek MTP through the V2 runner's speculator (plugin.py item 15):
-    # k = 2 and 3 draft tokens (a draft prefill on the target's metadata,
-    # then one or two chained draft decode steps, each planned anew), and
-    # k = 1 with FLASH_ATTN_MLA
-    for k, b in BACKENDS.items():
-        for n in (1, 2, 3) if k == "FA" else (2, 3):
-            spec = ["--spec", json.dumps({"method": "mtp", "num_speculative_tokens": n})]
-            r[f"tp2-{k}-mtp{n}-plain"] = ("mtp", tp2 + ["--backend", b] + GEN + spec
-                                         + ["--no-plugin"], True, {})
-            r[f"tp2-{k}-mtp{n}-shard"] = ("mtp", tp2 + ["--backend", b] + GEN + spec
-                                         + ["--shard", "--poison", "--stats"], True, DEBUG)
-    # MTP under PCP=2 (the draft prefill on the target's split, chained
-    # draft steps on the whole batch on every rank), the platform's backend;
-    # and k = 2 with an MoE MTP layer (DeepSeek-V3's; plain vLLM fails with
-    # PCP and MoE: the plugin's fix with the replicated layout is the base)
+        r[f"tp2-{k}-debug"] = ("moe", be + SHARD, True, DEBUG)
+    r["tp2-FA-shard-eager"] = ("moe", tp2 + fa + GEN_LONG + SHARD + TIME, True, {})
+    # the materializing decode: attention stays out of vLLM's graphs (PIECEWISE)
+    r["tp2-FA-mat"] = ("moe", tp2 + fa + GEN_LONG + GRAPHS + ["--cp-kv", '{"decode": "materialize"}',
+                                                         "--poison"], True, {})
+    r["tp4-plain"] = ("dense8", tp4 + fa + GEN + GRAPHS + ["--no-plugin"], True, {})
+    r["tp4-shard"] = ("dense8", tp4 + fa + GEN + GRAPHS + SHARD, True, {})
+    r["tp4-plain-eager"] = ("dense8", tp4 + fa + GEN + ["--no-plugin"], True, {})  # the floor
+    r["pcp2-dense-plain"] = ("dense", pcp2 + GEN + GRAPHS + ["--no-plugin"], True, {})
+    r["pcp2-dense-shard"] = ("dense", pcp2 + GEN + GRAPHS + SHARD, True, {})
+    r["pcp2-dense-debug"] = ("dense", pcp2 + GEN + SHARD, True, DEBUG)
+    # plain vLLM 0.32 fails with PCP and MoE (docs/gpu-testing.md): vLLM's
+    # replicated layout with the plugin's gathered mask, checked against TP=1
+    r["pcp2-moe-base"] = ("moe", pcp2 + GEN + GRAPHS + ["--cp-kv", '{"kv_sharding": false}'],
+                          True, {})
+    r["pcp2-moe-shard"] = ("moe", pcp2 + GEN + GRAPHS + SHARD, True, {})
+    r["tp1-moe-plain"] = ("moe", ["--tp", "1", "--no-plugin"] + GEN + GRAPHS, False, {})
+    # eager: vLLM 0.32 refuses CUDA graphs with sparse MLA under PCP ("MRV2
+    # sparse MLA PCP does not support CUDA graphs yet"), sharded or not
+    for k, extra in SPARSE.items():
+        r[f"pcp2-{k}-plain-eager"] = ("dsv32", pcp2 + extra + SPARSE_GEN + ["--no-plugin"],
+                                      True, {})
+        r[f"pcp2-{k}-shard-eager"] = ("dsv32", pcp2 + extra + SPARSE_GEN + SHARD, True, DEBUG)
+    r["tp2-prefix-plain"] = ("moe", tp2 + fa + WAVES + GRAPHS + ["--no-plugin", "--waves", "2"],
+                             True, {})
+    r["tp2-prefix-shard"] = ("moe", tp2 + fa + WAVES + GRAPHS + [
+        "--shard", "--waves", "3", "--poison", "--corrupt-between-waves", "--stats"], True, {})
+    # the bounded scratch: wave 2's hits read through a 1,024-token
+    # workspace, chunk by chunk; rank 1's 21st block corrupted before wave 3;
+    # the same with the layer-ahead prefetch (tokens must not change)
+    chunk = tp2 + fa + WAVES + GRAPHS + ["--shard", "--waves", "3", "--poison",
+                                          "--corrupt-between-waves", "--corrupt-index", "20",
+                                          "--stats"]
+    r["tp2-FA-chunk"] = ("moe", chunk + ["--cp-kv", '{"workspace_tokens": 1024}'], True, {})
+    r["tp2-FA-chunk-prefetch"] = ("moe", chunk + [
+        "--cp-kv", '{"workspace_tokens": 1024, "prefetch": true}'], True, {})
     for n in (1, 2, 3):
         spec = ["--spec", json.dumps({"method": "mtp", "num_speculative_tokens": n})]
-        r[f"pcp2-mtp{n}-plain"] = ("mtp", pcp2 + GEN + spec + ["--no-plugin"], True, {})
-        r[f"pcp2-mtp{n}-shard"] = ("mtp", pcp2 + GEN + spec
-                                   + ["--shard", "--poison", "--stats"], True, DEBUG)
-    spec = ["--spec", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
-    r["pcp2-mtp2moe-plain"] = ("mtp-moe", pcp2 + GEN + spec
-                               + ["--cp-kv", '{"kv_sharding": false}'], True, {})
-    r["pcp2-mtp2moe-shard"] = ("mtp-moe", pcp2 + GEN + spec
-                               + ["--shard", "--poison", "--stats"], True, DEBUG)
-    # vLLM's DCP query replication (the decode skips its query all-gather):
-    # the same runs as tp2-*-shard with VLLM_DCP_Q_REPLICATE=1
-    for k, b in BACKENDS.items():
-        r[f"tp2-{k}-qrep"] = ("moe", tp2 + ["--backend", b] + GEN + [
-            "--shard", "--poison", "--stats"], True, {**DEBUG, "VLLM_DCP_Q_REPLICATE": "1"})
-    r["tp4-plain"] = ("dense8", tp4 + fa + GEN + ["--no-plugin"], True, {})
-    r["tp4-shard"] = ("dense8", tp4 + fa + GEN + ["--shard", "--poison", "--stats"], True, DEBUG)
-    r["pcp2-dense-plain"] = ("dense", pcp2 + GEN + ["--no-plugin"], True, {})
-    r["pcp2-dense-shard"] = ("dense", pcp2 + GEN + ["--shard", "--poison", "--stats"], True, DEBUG)
-    # plain vLLM 0.32 fails with PCP and MoE (docs/gpu-testing.md): the
-    # plugin's fix with vLLM's replicated layout is the baseline
-    r["pcp2-moe-base"] = ("moe", pcp2 + GEN + ["--cp-kv", '{"kv_sharding": false}'], True, {})
-    r["pcp2-moe-shard"] = ("moe", pcp2 + GEN + ["--shard", "--poison", "--stats"], True, DEBUG)
-    for k, extra in SPARSE.items():
-        r[f"pcp2-{k}-plain"] = ("dsv32", pcp2 + extra + SPARSE_GEN + ["--no-plugin"], True, {})
-        r[f"pcp2-{k}-shard"] = ("dsv32", pcp2 + extra + SPARSE_GEN + ["--shard", "--poison", "--stats"],
-                                True, DEBUG)
-    r["pd-tp2-nixl"] = ("pd", ["--prefill-tp", "2", "--prefill-pcp", "1"], True, {})
-    r["pd-pcp2-nixl"] = ("pd", ["--prefill-tp", "1", "--prefill-pcp", "2"], True, {})
-    # negative control: the decode writes the blocks without their logical
-    # positions (what a layout error looks like in the tokens)
-    r["pd-pcp2-nixl-dropped"] = ("pd", ["--prefill-tp", "1", "--prefill-pcp", "2"], True,
-                                 DROP)
-    # float16 (8x finer rounding than bf16): fewer near-tie flips between layouts
-    half = ["--dtype", "float16"]
-    r["tp1-FA-plain-fp16"] = ("moe", ["--tp", "1", "--no-plugin", "--backend",
-                                      "FLASH_ATTN_MLA"] + GEN + half, False, {})
-    r["tp2-FA-plain-fp16"] = ("moe", tp2 + fa + GEN + half + ["--no-plugin"], True, {})
-    r["tp2-FA-shard-fp16"] = ("moe", tp2 + fa + GEN + half + ["--shard", "--stats"], True, DEBUG)
-    r["pd-pcp2-nixl-fp16"] = ("pd", ["--prefill-tp", "1", "--prefill-pcp", "2"] + half, True, {})
+        r[f"tp2-FA-mtp{n}-plain"] = ("mtp", tp2 + fa + GEN + GRAPHS + spec + ["--no-plugin"],
+                                     True, {})
+        r[f"tp2-FA-mtp{n}-shard"] = ("mtp", tp2 + fa + GEN + GRAPHS + spec + SHARD, True, {})
+    spec2 = ["--spec", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+    r["tp2-FA-mtp2-debug"] = ("mtp", tp2 + fa + GEN + spec2 + SHARD, True, DEBUG)
+    r["pd-tp2-nixl"] = ("pd", ["--prefill-tp", "2", "--prefill-pcp", "1", "--cuda-graphs"],
+                        True, {})
     return r
 
 
 GROUPS = {
-    "tp": [f"tp2-{k}-{v}" for k in BACKENDS for v in ("shard", "plain")]
-    + ["tp1-FA-plain"] + [f"tp2-{k}-multi" for k in BACKENDS]
-    + ["tp2-FA-bytes", "tp4-plain", "tp4-shard", "tp2-prefix-plain", "tp2-prefix-shard"],
-    "pcp": ["pcp2-dense-plain", "pcp2-dense-shard", "pcp2-moe-base", "pcp2-moe-shard"]
-    + [f"pcp2-{k}-{v}" for k in SPARSE for v in ("plain", "shard")],
-    "pd": ["pd-tp2-nixl", "pd-pcp2-nixl"],
-    # the runs whose code changed after the first lease (Triton's float32
-    # LSE, the debug check against vLLM's kernel), and the materializing decode
-    "again": ["pd-pcp2-nixl", "tp2-TR-shard", "tp2-FA-shard", "tp2-FM-shard", "tp2-FA-mat",
-              "tp2-TR-multi", "tp2-FA-multi", "tp2-FM-multi", "tp4-shard",
-              "pcp2-dense-shard", "pcp2-moe-shard"],
-    "fp16": ["pd-pcp2-nixl-fp16", "pd-pcp2-nixl-dropped", "tp1-FA-plain-fp16",
-             "tp2-FA-plain-fp16", "tp2-FA-shard-fp16"],
+    "graphs": ["tp2-FA-old"] + [f"tp2-{k}-{v}" for v in ("plain", "shard", "debug", "fdo")
+                                for k in BACKENDS]
+    + ["tp1-FA-plain", "tp2-FA-plain-eager", "tp2-FA-shard-eager"],
+    "more": ["tp4-plain", "tp4-shard", "pcp2-dense-plain", "pcp2-dense-shard",
+             "pcp2-dense-debug", "pcp2-moe-base", "pcp2-moe-shard", "tp1-moe-plain"]
+    + [f"pcp2-{k}-{v}-eager" for k in SPARSE for v in ("plain", "shard")] + ["tp4-plain-eager"]
+    + ["tp2-prefix-plain", "tp2-prefix-shard", "tp2-FA-chunk", "tp2-FA-chunk-prefetch",
+       "tp2-FA-mat"]
+    + [f"tp2-FA-mtp{n}-{v}" for n in (1, 2, 3) for v in ("plain", "shard")]
+    + ["tp2-FA-mtp2-debug", "pd-tp2-nixl"],
 }
-GROUPS["chunk"] = [f"tp2-{k}-chunk" for k in BACKENDS] + ["tp2-FA-chunk-single",
-                                                            "tp2-prefix-plain",
-                                                            "tp2-FA-chunk-prefetch"]
-GROUPS["mtp"] = [f"tp2-{k}-mtp{n}-{v}" for k in BACKENDS for n in ((1, 2, 3) if k == "FA"
-                                                                    else (2, 3))
-                 for v in ("shard", "plain")]
-GROUPS["pcp-mtp"] = [f"pcp2-mtp{n}{m}-{v}" for n, m in ((1, ""), (2, ""), (3, ""), (2, "moe"))
-                     for v in ("shard", "plain")]
-GROUPS["qrep"] = [f"tp2-{k}-{v}" for k in BACKENDS for v in ("qrep", "shard")]
-GROUPS["all"] = GROUPS["tp"] + GROUPS["pd"] + GROUPS["pcp"] + GROUPS["chunk"] + GROUPS["mtp"]
+GROUPS["all"] = GROUPS["graphs"] + GROUPS["more"]
+# the second lease of 2026-12-03: P/D with time enough, PCP + MoE after the
+# capture's padding-mask fix, the sparse pairs eager, the TP=4 floor
+GROUPS["again"] = ["pd-tp2-nixl", "pcp2-moe-base", "pcp2-moe-shard", "tp4-plain-eager"] + [
+    f"pcp2-{k}-{v}-eager" for k in SPARSE for v in ("plain", "shard")]
 
 
 def model_dir(kind: str) -> str:
@@ -190,18 +160,27 @@ def model_dir(kind: str) -> str:
     if kind in ("mtp", "mtp-moe"):
         return tiny_model.build_mtp(os.path.join(checks.MODELS, "onegpu-" + kind),
                                     gpu_heads=True, max_positions=16384, moe=kind == "mtp-moe")
-    return tiny_model.build(os.path.join(checks.MODELS, "onegpu-" + kind), gpu_heads=True,
+    # 64K positions: the graphs group's prompts reach 40K tokens
+    return tiny_model.build(os.path.join(checks.MODELS, "onegpu64k-" + kind), gpu_heads=True,
                             moe=kind == "moe", heads=8 if kind == "dense8" else 6,
-                            max_positions=16384)
+                            max_positions=65536)
+
+
+COMM = ["nccl"]  # --comm: the harness's collectives
 
 
 def env_for(harness: bool, extra: dict) -> dict:
+    extra = dict(extra)
+    package = extra.pop("CPKV_PACKAGE", None)  # another copy of vllm_cp_kv first
     env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1"}
     paths = [p for p in env.get("PYTHONPATH", "").split(":") if p and p != HARNESS]
     if harness:
         env["ONEGPU"] = "1"
+        env["ONEGPU_COMM"] = COMM[0]
         env["CUDA_VISIBLE_DEVICES"] = "0"
         paths.insert(0, HARNESS)
+    if package:
+        paths.insert(0, package)
     env["PYTHONPATH"] = ":".join(paths)
     return env
 
@@ -231,7 +210,21 @@ def run_one(name: str, spec, out: str, timeout: float) -> dict:
             res["drop_positions"] = extra.get("CPKV_TEST_IGNORE_POSITIONS") == "1"
         res["wall_s"] = round(time.time() - t0, 1)
         return res
-    return checks.load_run(out, name, rc, wall_s=round(time.time() - t0, 1))
+    return checks.load_run(out, name, rc, wall_s=round(time.time() - t0, 1),
+                           graph_capture=capture_figures(os.path.join(out, f"{name}.log")))
+
+
+CAPTURE = re.compile(r"Graph capturing finished in (\d+) secs, took ([-\d.]+) GiB")
+
+
+def capture_figures(log: str) -> list:
+    """vLLM's own line per rank: capture seconds and graph memory (GiB, the
+    device's free memory before and after, so ranks and runs that share the
+    GPU blur it)."""
+    if not os.path.exists(log):
+        return []
+    with open(log, errors="replace") as f:
+        return [{"seconds": int(m[1]), "gib": float(m[2])} for m in CAPTURE.finditer(f.read())]
 
 
 # -- checks -------------------------------------------------------------------
@@ -246,8 +239,11 @@ def agreement(a_tokens, a_lps, b_tokens, b_lps) -> dict:
     first = checks.first_diffs(a_tokens, b_tokens)
     lp = max((abs(p - q) for x, y, f in zip(a_lps, b_lps, first)
               for p, q in list(zip(x, y))[: len(x) if f is None else f]), default=0.0)
+    # where the two runs part, on average (an identical prompt: its length)
+    reach = [len(t) if f is None else f for t, f in zip(a_tokens, first)]
     return {"identical": sum(f is None for f in first), "of": len(first),
-            "first_diffs": first, "max_logprob_diff_before_first_diff": round(lp, 4)}
+            "first_diffs": first, "mean_first_diff": round(sum(reach) / max(len(reach), 1), 2),
+            "max_logprob_diff_before_first_diff": round(lp, 4)}
 
 
 def pair(out, key, results, shard, base, ranks, min_ratio, waves=False):
@@ -286,180 +282,214 @@ def pair(out, key, results, shard, base, ranks, min_ratio, waves=False):
     return c
 
 
-def close_enough(c, unsharded) -> bool:
-    """bf16 near-ties: the sharded run agrees with the same layout unsharded
-    at least as often as two unsharded layouts (TP=2 vs TP=1) agree, or its
-    merged decode is as accurate as vLLM's own kernel on the same full view
-    (both against float32 attention, from the debug check)."""
-    a, e = c["agreement"], c.get("decode_error_vs_float32") or {}
-    c["agreement_as_close_as_tp2_vs_tp1"] = c["same_tokens"] or bool(
-        unsharded and a["identical"] >= unsharded["identical"])
-    c["decode_as_accurate_as_vllm_kernel"] = bool(e.get("vllm_kernel_same_view")) and \
-        e["sharded"] <= 2 * e["vllm_kernel_same_view"]
-    return c["agreement_as_close_as_tp2_vs_tp1"] or c["decode_as_accurate_as_vllm_kernel"]
+def floor_of(*agreements) -> dict | None:
+    """The noise floor: the lesser agreement of two unsharded layouts (bf16
+    near-ties of random weights flip between any two reduction orders)."""
+    got = [a for a in agreements if a]
+    return min(got, key=lambda a: a["mean_first_diff"]) if got else None
+
+
+FLOOR_SHARE = 0.7
+
+
+def within_floor(a: dict, floor: dict | None) -> bool:
+    """The pair parts on average no earlier than 70% of where the floor's
+    two unsharded layouts part (or has as many identical prompts). The
+    failure this guards against, a stale captured decode, parts at once:
+    the code before the fix, on this matrix (h200x1-2026-12-03-graphs), at
+    1.9 tokens of 24 on average against the floor's 6.7 (0.28 of it)."""
+    if floor is None:
+        return False
+    return (a["mean_first_diff"] >= FLOOR_SHARE * floor["mean_first_diff"]
+            or a["identical"] >= max(floor["identical"], 1))
+
+
+def same_rows(results, x: str, y: str) -> bool:
+    """Both runs wrote the same number of KV rows per rank and layer."""
+    a, b = _ok(results, x), _ok(results, y)
+    return bool(a and b and a.get("written_rows") and
+                a.get("written_rows") == b.get("written_rows"))
+
+
+def agree(results, x: str, y: str, waves: bool = False) -> dict | None:
+    a, b = _ok(results, x), _ok(results, y)
+    if not a or not b:
+        return None
+    if waves:
+        a, b = a["waves"][0], b["waves"][0]
+    return agreement(a["tokens"], a["logprobs"], b["tokens"], b["logprobs"])
 
 
 def compare(results) -> dict:
     out = {}
-    ref1 = _ok(results, "tp1-FA-plain")
+    # the noise floor of two unsharded layouts: TP=2 vs TP=1, graphs vs eager
+    floor_tp1 = agree(results, "tp2-FA-plain", "tp1-FA-plain")
+    floor_eager = agree(results, "tp2-FA-plain", "tp2-FA-plain-eager")
+    floor = floor_of(floor_tp1, floor_eager)
+    out["noise-floor"] = {"ok": floor is not None, "tp2_vs_tp1_graphs": floor_tp1,
+                          "tp2_graphs_vs_eager_unsharded": floor_eager}
     for k, b in BACKENDS.items():
-        c = pair(out, f"tp2-{b}", results, f"tp2-{k}-shard", f"tp2-{k}-plain", 2, 1.95)
-        plain = _ok(results, f"tp2-{k}-plain")
-        if c and plain and ref1:
-            # how close two unsharded layouts agree (bf16 near-ties)
-            c["unsharded_tp2_vs_tp1"] = agreement(plain["tokens"], plain["logprobs"],
-                                                  ref1["tokens"], ref1["logprobs"])
+        for mode, run in (("graphs", f"tp2-{k}-shard"), ("full-decode-only", f"tp2-{k}-fdo"),
+                          ("eager-debug", f"tp2-{k}-debug")):
+            base = "tp2-FA-plain-eager" if (k, mode) == ("FA", "eager-debug") \
+                else f"tp2-{k}-plain"
+            c = pair(out, f"tp2-{b}-{mode}", results, run, base, 2, 1.95)
+            if not c:
+                continue
+            c["within_noise_floor"] = within_floor(c["agreement"], floor)
+            if mode != "eager-debug":  # the captured decode against the eager one
+                c["vs_sharded_eager"] = agree(results, run, f"tp2-{k}-debug")
+                c["same_rows_written_as_eager"] = same_rows(results, run, f"tp2-{k}-debug")
+            err = c.get("decode_error_vs_float32") or {}
+            c["ok"] = c["capacity_ratio"] >= 1.95 and c["within_noise_floor"] and (
+                c["debug_invariants_hold"] and 0 < err.get("sharded", 0)
+                <= 2 * err.get("vllm_kernel_same_view", 0) if mode == "eager-debug"
+                else c["same_rows_written_as_eager"])
+    old = agree(results, "tp2-FA-old", "tp2-FA-plain")
+    if old:  # the negative control: before the fix, graphs answer wrong at once
+        run = _ok(results, "tp2-FA-old")
+        # degenerate: from the fourth token on one token repeated to the end
+        stuck = sum(len(set(t[3:])) == 1 for t in run["tokens"])
+        early = sum(f is not None and f <= 4 for f in old["first_diffs"])
+        out["negative-control-old-code-graphs"] = {
+            "agreement": old, "prompts_wrong_by_token_4": early,
+            "prompts_one_token_repeated": stuck,
+            "ok": old["identical"] == 0 and early == len(old["first_diffs"])
+            and not within_floor(old, floor)}
+    c = pair(out, "tp4", results, "tp4-shard", "tp4-plain", 4, 3.9)
+    if c:
+        c["ok"] = c["ok_capacity_writes_debug"] or (c["capacity_ratio"] >= 3.9
+                                                    and c.get("owned_writes_ok", True))
+    for key, shard, base in (("pcp2-dense", "pcp2-dense-shard", "pcp2-dense-plain"),
+                             ("pcp2-dense-eager-debug", "pcp2-dense-debug", "pcp2-dense-plain"),
+                             ("pcp2-moe", "pcp2-moe-shard", "pcp2-moe-base"),
+                             *((f"pcp2-sparse-{k}-eager", f"pcp2-{k}-shard-eager",
+                                f"pcp2-{k}-plain-eager") for k in SPARSE)):
+        # sparse models reserve the whole view (docs/sparse.md): 1.94x at most
+        c = pair(out, key, results, shard, base, 2, 1.9 if "sparse" in key else 1.95)
         if c:
-            c["ok"] = c["ok_capacity_writes_debug"] and close_enough(c, c.get(
-                "unsharded_tp2_vs_tp1"))
-        m = pair(out, f"tp2-{b}-multi-token-rows", results, f"tp2-{k}-multi",
-                 f"tp2-{k}-plain", 2, 1.95, waves=True)
-        if m:
-            run = results[f"tp2-{k}-multi"]
-            per_wave = [w["stats"] for w in run["waves"] if w.get("stats")]
-            stats = [x for x in (run.get("stats") or []) if x]
-            m["multi_query_decode_steps"] = (
-                [sum(w[r]["multi_query_decode_steps"] for w in per_wave)
-                 for r in range(len(per_wave[0]))] if per_wave  # run_vllm.py resets per wave
-                else [x.get("multi_query_decode_steps") for x in stats])
-            stats = stats or (per_wave[0] if per_wave else [])
-            m["ok"] = m["ok_capacity_writes_debug"] and bool(stats) and all(
-                (n or 0) > 0 for n in m["multi_query_decode_steps"]) and close_enough(
-                m, (c or {}).get("unsharded_tp2_vs_tp1"))
-    prefix = _ok(results, "tp2-prefix-plain")
-    for k, b in BACKENDS.items():
-        m, run = out.get(f"tp2-{b}-multi-token-rows"), _ok(results, f"tp2-{k}-multi")
-        if m and run and prefix and b == "FLASH_ATTN_MLA":  # same prompts, waves, backend
-            m["wave2_vs_unsharded"] = agreement(run["waves"][1]["tokens"],
-                                                run["waves"][1]["logprobs"],
-                                                prefix["waves"][1]["tokens"],
-                                                prefix["waves"][1]["logprobs"])
-    by = _ok(results, "tp2-FA-bytes")
-    if by:
-        stats = [x for x in (by.get("phases") or []) if x]
-        per = [ph["stats"][0]["decode_step_bytes"][:8] for ph in by["phases"]]
-        out["decode-bytes-per-step"] = {
-            "ok": len(per) == 2 and per[0] == per[1] and len(per[0]) > 0,
-            "phase_prompt_lens": [ph["prompt_lens"] for ph in by["phases"]],
-            "rank0_bytes_first_steps": per, "phases": len(stats)}
+            c["ok"] = c["capacity_ratio"] >= (1.9 if "sparse" in key else 1.95) and \
+                c.get("owned_writes_ok", True) and (
+                    c["debug_invariants_hold"] or "debug" not in key and "sparse" not in key)
+    c = out.get("tp4")
+    if c and "agreement" in c:  # the floor of TP=4: graphs against eager, unsharded
+        c["floor_tp4_graphs_vs_eager"] = agree(results, "tp4-plain", "tp4-plain-eager")
+        c["within_noise_floor"] = within_floor(c["agreement"], c["floor_tp4_graphs_vs_eager"])
+        c["ok"] = c["ok"] and c["within_noise_floor"]
+    # the PCP MoE mask against an independent reference: the same model TP=1
+    ref = agree(results, "pcp2-moe-base", "tp1-moe-plain")
+    shard = agree(results, "pcp2-moe-shard", "tp1-moe-plain")
+    if ref and shard:  # both PCP layouts against the same independent run
+        out["pcp2-moe-mask-vs-tp1"] = {
+            "base_vs_tp1": ref, "sharded_vs_tp1": shard,
+            "ok": within_floor(ref, floor) and within_floor(shard, ref)}
+        c = out.get("pcp2-moe")
+        if c and "agreement" in c:
+            c["within_noise_floor"] = within_floor(c["agreement"], ref)
+            c["ok"] = c["ok"] and c["within_noise_floor"]
+    prefix_check(out, results)
+    chunk_check(out, results)
+    c = pair(out, "tp2-FLASH_ATTN_MLA-materialize", results, "tp2-FA-mat", "tp2-FA-plain",
+             2, 1.95)
+    if c:  # the materializing decode reserves the whole view: below 1.95x
+        c["within_noise_floor"] = within_floor(c["agreement"], floor)
+        c["ok"] = c["capacity_ratio"] >= 1.8 and c["within_noise_floor"]
+    mtp_check(out, results)
+    pd_check(out, "pd-tp2-nixl", results.get("pd-tp2-nixl"))
+    timing_check(out, results)
+    return out
+
+
+def prefix_check(out, results) -> None:
     s, b = _ok(results, "tp2-prefix-shard"), _ok(results, "tp2-prefix-plain")
     if s and b:
         same = [agreement(x["tokens"], x["logprobs"], y["tokens"], y["logprobs"])
                 for x, y in zip(s["waves"][:2], b["waves"][:2])]
         hits = [w.get("prefix_cache_hits") for w in s["waves"]]
         out["prefix-tp2"] = {
-            "ok": hits[0] == 0 and hits[1] > 0 and s["debug_invariants_hold"]
+            "ok": hits[0] == 0 and hits[1] > 0
             and s["waves"][2]["tokens"] != s["waves"][1]["tokens"],
             "agreement_per_wave": same, "hits_sharded": hits,
             "hits_unsharded": [w.get("prefix_cache_hits") for w in b["waves"]],
             "corruption_changed_wave3": s["waves"][2]["tokens"] != s["waves"][1]["tokens"],
             "capacity_ratio": round(s["capacity_tokens"] / b["capacity_tokens"], 3)}
-    chunk_check(out, results)
-    mtp_check(out, results)
-    for k, b in BACKENDS.items():  # query replication against the same run without
-        q, s = _ok(results, f"tp2-{k}-qrep"), _ok(results, f"tp2-{k}-shard")
-        if q and s:
-            stats = [x for x in q.get("stats") or [] if x]
-            out[f"qrep-tp2-{b}"] = {
-                "agreement_vs_gathered_queries": agreement(q["tokens"], q["logprobs"],
-                                                           s["tokens"], s["logprobs"]),
-                "debug_invariants_hold": q["debug_invariants_hold"],
-                "decode_step_bytes": [x["decode_step_bytes"][:2] for x in stats],
-                "decode_step_bytes_gathered": [x["decode_step_bytes"][:2] for x in
-                                               s.get("stats") or [] if x],
-                "ok": q["debug_invariants_hold"] and len(stats) == 2}
-    c = pair(out, "tp4", results, "tp4-shard", "tp4-plain", 4, 3.9)
-    if c:
-        c["ok"] = c["ok_capacity_writes_debug"]
-    for key, shard, base in (("pcp2-dense", "pcp2-dense-shard", "pcp2-dense-plain"),
-                             ("pcp2-moe", "pcp2-moe-shard", "pcp2-moe-base"),
-                             *((f"pcp2-sparse-{k}", f"pcp2-{k}-shard", f"pcp2-{k}-plain")
-                               for k in SPARSE)):
-        c = pair(out, key, results, shard, base, 2, 1.95)
-        if c:
-            c["ok"] = c["ok_capacity_writes_debug"]
-    for name in ("pd-tp2-nixl", "pd-pcp2-nixl", "pd-pcp2-nixl-fp16", "pd-pcp2-nixl-dropped"):
-        pd_check(out, name, results.get(name))
-    good, bad = out.get("pd-pcp2-nixl"), out.get("pd-pcp2-nixl-dropped")
-    if good and bad and good.get("first_diff") and bad.get("first_diff"):
-        # negative control: without the positions more prompts go wrong at once
-        bad["first_token_wrong"] = sum(f == 0 for f in bad["first_diff"])
-        good["first_token_wrong"] = sum(f == 0 for f in good["first_diff"])
-        bad["ok"] = bad["first_token_wrong"] > good["first_token_wrong"]
-    c = pair(out, "tp2-FLASH_ATTN_MLA-fp16", results, "tp2-FA-shard-fp16", "tp2-FA-plain-fp16",
-             2, 1.95)
-    ref16, plain16 = _ok(results, "tp1-FA-plain-fp16"), _ok(results, "tp2-FA-plain-fp16")
-    if c and ref16 and plain16:
-        c["unsharded_tp2_vs_tp1"] = agreement(plain16["tokens"], plain16["logprobs"],
-                                              ref16["tokens"], ref16["logprobs"])
-        c["ok"] = c["ok_capacity_writes_debug"]
-    c = pair(out, "tp2-FLASH_ATTN_MLA-materialize", results, "tp2-FA-mat", "tp2-FA-plain",
-             2, 1.95)
-    if c:
-        c["ok"] = c["ok_capacity_writes_debug"] and c["same_tokens"]
-    return out
 
 
 def chunk_check(out, results) -> None:
-    """The chunked context per backend: wave 2 read in several chunks on
-    both ranks with the debug checks held, hits as the single gather's, the
-    corrupted block changed wave 3; tokens against the unsharded waves and
-    (FLASH_ATTN_MLA) the sharded single gather."""
-    plain, single = _ok(results, "tp2-prefix-plain"), _ok(results, "tp2-FA-chunk-single")
-    chunked = _ok(results, "tp2-FA-chunk")
-    for k, b in [*BACKENDS.items(), ("FA", "FLASH_ATTN_MLA-prefetch")]:
-        run = _ok(results, f"tp2-{k}-chunk" + ("-prefetch" if "prefetch" in b else ""))
+    """The chunked context: wave 2 read in several chunks on both ranks,
+    hits, the corrupted block changed wave 3; the prefetch gives the same
+    tokens as without it."""
+    plain, chunked = _ok(results, "tp2-prefix-plain"), _ok(results, "tp2-FA-chunk")
+    for name in ("tp2-FA-chunk", "tp2-FA-chunk-prefetch"):
+        run = _ok(results, name)
         if not run:
             continue
         stats = [x for x in run["waves"][1]["stats"] if x]
         hits = [w.get("prefix_cache_hits") for w in run["waves"]]
-        c = out[f"chunk-tp2-{b}"] = {
+        c = out[f"chunk-{name}"] = {
             "chunks_wave2": [x["max_context_chunks"] for x in stats],
             "chunked_steps_wave2": [x["chunked_context_steps"] for x in stats],
-            "hits": hits, "debug_invariants_hold": run["debug_invariants_hold"],
+            "hits": hits,
             "corruption_changed_wave3": run["waves"][2]["tokens"] != run["waves"][1]["tokens"]}
         if plain:
             c["agreement_vs_unsharded"] = [
                 agreement(x["tokens"], x["logprobs"], y["tokens"], y["logprobs"])
                 for x, y in zip(run["waves"][:2], plain["waves"][:2])]
-        if single and b == "FLASH_ATTN_MLA":
-            c["agreement_vs_single_gather"] = [
-                agreement(x["tokens"], x["logprobs"], y["tokens"], y["logprobs"])
-                for x, y in zip(run["waves"][:2], single["waves"][:2])]
-            c["hits_single_gather"] = [w.get("prefix_cache_hits") for w in single["waves"]]
-        if "prefetch" in b and chunked:  # the same gathers, ahead: the same tokens
+        c["ok"] = (len(stats) == 2 and min(c["chunks_wave2"]) > 1 and hits[1] > 0
+                   and c["corruption_changed_wave3"])
+        if "prefetch" in name and chunked:  # the same gathers, ahead: the same tokens
             c["same_tokens_as_without_prefetch"] = [
                 x["tokens"] == y["tokens"] for x, y in zip(run["waves"], chunked["waves"])]
-        c["ok"] = (len(stats) == 2 and min(c["chunks_wave2"]) > 1 and hits[1] > 0
-                   and c["debug_invariants_hold"] and c["corruption_changed_wave3"])
+            c["ok"] = c["ok"] and all(c["same_tokens_as_without_prefetch"])
 
 
 def mtp_check(out, results) -> None:
-    """MTP on the V2 runner: sharded vs unsharded TP=2 or PCP=2 with the same draft
-    count, debug checks held, verification rows through the shard-aware
-    decode; tokens and vLLM's spec-decode counters side by side (bf16)."""
-    pairs = [(f"mtp{n}-tp2-{b}", f"tp2-{k}-mtp{n}") for k, b in BACKENDS.items()
-             for n in (1, 2, 3)]
-    pairs += [(f"mtp{n}{m}-pcp2", f"pcp2-mtp{n}{m}") for n, m in ((1, ""), (2, ""), (3, ""),
-                                                                   (2, "moe"))]
-    for key, run in pairs:
-        s, p = _ok(results, f"{run}-shard"), _ok(results, f"{run}-plain")
+    """MTP on the V2 runner with graphs: sharded vs unsharded with the same
+    draft count, verification rows through the shard-aware decode; tokens
+    and vLLM's spec-decode counters side by side (bf16); the eager debug run."""
+    for n in (1, 2, 3):
+        s, p = _ok(results, f"tp2-FA-mtp{n}-shard"), _ok(results, f"tp2-FA-mtp{n}-plain")
         if not s:
             continue
         stats = [x for x in s.get("stats") or [] if x]
-        c = out[key] = {
-            "spec_decode_sharded": s.get("spec_decode"),
-            "spec_decode_unsharded": (p or {}).get("spec_decode"),
-            "debug_invariants_hold": s["debug_invariants_hold"],
+        sd, pd = s.get("spec_decode") or {}, (p or {}).get("spec_decode") or {}
+        c = out[f"mtp{n}-tp2-FLASH_ATTN_MLA"] = {
+            "spec_decode_sharded": sd, "spec_decode_unsharded": pd,
             "multi_query_decode_steps": [x.get("multi_query_decode_steps") for x in stats],
             "capacity_ratio": round(s["capacity_tokens"] / p["capacity_tokens"], 3)
             if p else None}
         if p:
-            c["agreement"] = agreement(s["tokens"], s["logprobs"], p["tokens"],
-                                       p["logprobs"])
-        c["ok"] = bool(c["debug_invariants_hold"] and stats and all(
-            (m or 0) > 0 for m in c["multi_query_decode_steps"]) and p
-            and (s.get("spec_decode") or {}).get("spec_decode_num_drafts", 0) > 0)
+            c["agreement"] = agreement(s["tokens"], s["logprobs"], p["tokens"], p["logprobs"])
+            c["accepted_difference"] = abs(sd.get("spec_decode_num_accepted_tokens", 0)
+                                           - pd.get("spec_decode_num_accepted_tokens", 0))
+        c["ok"] = bool(stats and all((m or 0) > 0 for m in c["multi_query_decode_steps"])
+                       and p and sd.get("spec_decode_num_drafts", 0) > 0
+                       and c["capacity_ratio"] >= 1.9)
+    d = _ok(results, "tp2-FA-mtp2-debug")
+    if d:
+        out["mtp2-tp2-eager-debug"] = {"ok": d["debug_invariants_hold"],
+                                       "spec_decode": d.get("spec_decode"),
+                                       "vs_graphs": agree(results, "tp2-FA-mtp2-debug",
+                                                          "tp2-FA-mtp2-shard")}
+
+
+def timing_check(out, results) -> None:
+    """Decode step time (8 requests at 2,000 tokens): graphs against eager,
+    sharded against unsharded. On this harness every collective crosses
+    NCCL's socket transport between processes that share one GPU (about
+    5 ms each), which dominates a step and hides what graphs save in
+    launches."""
+    t = {n: (_ok(results, n) or {}).get("decode_step") for n in (
+        "tp2-FA-plain", "tp2-FA-plain-eager", "tp2-FA-shard", "tp2-FA-shard-eager")}
+    if not all(t.values()):
+        return
+    ms = {n: round(1000 * v["seconds_per_step"], 2) for n, v in t.items()}
+    out["decode-step-time"] = {
+        "ok": True, "ms_per_step": ms,
+        "graphs_over_eager_unsharded": round(ms["tp2-FA-plain"] / ms["tp2-FA-plain-eager"], 3),
+        "graphs_over_eager_sharded": round(ms["tp2-FA-shard"] / ms["tp2-FA-shard-eager"], 3),
+        "sharded_over_unsharded_graphs": round(ms["tp2-FA-shard"] / ms["tp2-FA-plain"], 3),
+        "capture": {n: (results.get(n) or {}).get("graph_capture") for n in t}}
 
 
 def pd_check(out, name, pd):
@@ -498,7 +528,7 @@ def plot(out_dir, cks):
            color=["tab:green" if c.get("ok") else "tab:red" for c in items.values()])
     ax.set_xticks(range(len(items)), list(items), rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("KV capacity, sharded / unsharded")
-    ax.set_title("one H200, ranks on gloo (green: every check of the pair holds)", fontsize=9)
+    ax.set_title("one H200, ranks on NCCL, CUDA graphs (green: every check holds)", fontsize=9)
     save_figure(fig, os.path.join(out_dir, "onegpu.png"), dpi=120)
 
 
@@ -548,13 +578,16 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--runs", default="all")
     ap.add_argument("--budget-s", type=float, default=540)
-    ap.add_argument("--parallel", type=int, default=4)
+    ap.add_argument("--parallel", type=int, default=6)
+    ap.add_argument("--comm", default="nccl", choices=["nccl", "gloo", "shm"],
+                    help="the harness's collectives (gloo and shm: eager runs only)")
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--summarize", action="store_true")
     ap.add_argument("--against", help="compare with the same runs in this folder")
     a = ap.parse_args()
     if a.against:
         return against(a.out, a.against)
+    COMM[0] = a.comm
     checks.OUT_DIR[0] = a.out
     result_dir(a.out)
     path = os.path.join(a.out, "summary.json")

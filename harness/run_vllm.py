@@ -190,12 +190,17 @@ def engine_options(a) -> dict:
     """The options of :func:`vllm_cp_kv.tools.offline.engine_kwargs`."""
     kw = dict(tp=a.tp, pcp=a.pcp, dcp=a.dcp, dtype=a.dtype, gpu_mem=a.gpu_mem,
               kv_bytes=a.kv_bytes,  # no memory profiling (ranks that share one GPU)
-              block_size=a.block_size, backend=a.backend, eager=not a.cuda_graphs,
+              block_size=a.block_size, backend=a.backend,
+              eager=not (a.cuda_graphs or a.graph_mode),
               shard=a.shard, cp_kv=json.loads(a.cp_kv) if a.cp_kv else None,
               # vLLM 0.32's CPU rotary kernel is wrong for MLA (docs/design.md);
               # --kernel-rope keeps it (a negative control)
               rope="kernel" if a.kernel_rope else "torch" if a.torch_rope else None,
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs)
+    if a.graph_mode:
+        kw["graph_mode"] = a.graph_mode
+    if a.capture_sizes:
+        kw["capture_sizes"] = [int(x) for x in a.capture_sizes.split(",")]
     if a.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = a.max_num_batched_tokens
     if a.kv_cache_dtype:
@@ -301,7 +306,31 @@ def run(a) -> dict:
         res["spec_decode"] = spec_decode_counters(llm)
     if a.pcp > 1:
         res["last_token"] = llm.collective_rpc(_last_token_stats)
+    if a.time_decode:
+        res["decode_step"] = time_decode(llm, a.time_decode, vocab)
     return res
+
+
+def time_decode(llm, steps: int, vocab: int, batch: int = 8, context: int = 2000) -> dict:
+    """Wall seconds per decode step of ``batch`` requests at ``context``
+    tokens: the same prompts run to 1 and to ``1 + steps`` new tokens, the
+    difference over ``steps`` (prefill cancels), the best of three."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in token_prompts(
+        [context] * batch, vocab, seed=1234)]
+    best = []
+    for n in (1, 1 + steps):
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        best.append(min(times))
+    return {"batch": batch, "context": context, "steps": steps,
+            "seconds_per_step": (best[1] - best[0]) / steps, "seconds": best}
 
 
 def summarize(outs) -> dict:
@@ -406,6 +435,11 @@ def main() -> None:
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="GPU: vLLM's default CUDA graphs instead of eager")
+    ap.add_argument("--graph-mode", default=None,
+                    help="GPU: CUDA graphs in this cudagraph_mode (e.g. FULL_DECODE_ONLY)")
+    ap.add_argument("--capture-sizes", default=None, help="e.g. 1,2,4,8")
+    ap.add_argument("--time-decode", type=int, default=0,
+                    help="after the run: seconds per decode step over this many steps")
     ap.add_argument("--dcp", type=int, default=1, help="vLLM's own DCP (no plugin)")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -130,23 +130,67 @@ def test_row_cuda_graphs(tiny_dsv2, dsv32_model, monkeypatch):
     # GPU rows on this CPU machine: the real config path with the plugin's
     # platform query answering "GPU" (the check runs before vLLM's own)
     monkeypatch.setattr(checks_module(), "_on_gpu", lambda: True)
-    materialize = {"cp_kv": {"enable": True, "decode": "materialize"}}
-    expect_row("cuda-graphs", tiny_dsv2, enforce_eager=False,
-               additional_config=materialize)
     expect_row("cuda-graphs", tiny_dsv2, enforce_eager=False,
                compilation_config={"cudagraph_mode": "FULL"})
-    expect_row("cuda-graphs", dsv32_model, enforce_eager=False)
-    # allowed: the shard-aware decode with decode-only full graphs
+    monkeypatch.setenv("VLLM_CP_KV_DEBUG", "1")  # the debug switch needs eager
+    expect_row("cuda-graphs", tiny_dsv2, enforce_eager=False)
+    monkeypatch.delenv("VLLM_CP_KV_DEBUG")
+    # allowed: the shard-aware decode in every mode that captures decode
+    # batches only; the materializing decode and sparse models too (their
+    # builders declare no full-graph support: vLLM runs them PIECEWISE)
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_cp_kv.integration.checks import check_engine_args
     from vllm_cp_kv.integration.options import CPKVOptions
 
-    for mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", None):
+    for mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE", None):
         args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=2, enforce_eager=False,
                           compilation_config={"cudagraph_mode": mode} if mode else {})
         check_engine_args(args, CPKVOptions(enable=True))
         assert args.decode_context_parallel_size == 2
+    for model, options in ((tiny_dsv2, CPKVOptions(enable=True, decode="materialize")),
+                           (dsv32_model, CPKVOptions(enable=True))):
+        args = EngineArgs(model=model, tensor_parallel_size=2, enforce_eager=False)
+        check_engine_args(args, options)
+
+
+def test_materializing_builders_decline_full_graphs(tiny_dsv2):
+    """What lets vLLM keep a materializing decode out of its full graphs:
+    the sharded builder's support is NEVER for a decode that reads the full
+    view (and the sparse indexer's always), else the inner builder's."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
+
+    from vllm_cp_kv.integration.backend import sharded_backend
+
+    builder = sharded_backend(TritonMLABackend).get_builder_cls()
+    inner = TritonMLABackend.get_builder_cls()
+    lse = config(tiny_dsv2)
+    mat = config(tiny_dsv2, additional_config={"cp_kv": {"enable": True,
+                                                         "decode": "materialize"}})
+    assert builder.get_cudagraph_support(lse, None) == inner.get_cudagraph_support(lse, None)
+    assert builder.get_cudagraph_support(lse, None) != AttentionCGSupport.NEVER
+    assert builder.get_cudagraph_support(mat, None) == AttentionCGSupport.NEVER
+
+
+def test_row_prefetch(tiny_dsv2, dsv32_model, monkeypatch):
+    monkeypatch.setattr(checks_module(), "_on_gpu", lambda: True)
+    expect_row("prefetch", tiny_dsv2, enforce_eager=True, additional_config={
+        "cp_kv": {"enable": True, "prefetch": True, "decode": "materialize"}})
+    expect_row("prefetch", dsv32_model, enforce_eager=True, additional_config={
+        "cp_kv": {"enable": True, "prefetch": True}})
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_cp_kv.integration.checks import check_engine_args
+    from vllm_cp_kv.integration.options import CPKVOptions
+
+    args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=1,
+                      prefill_context_parallel_size=2, enforce_eager=True)
+    with pytest.raises(ValueError) as info:  # PCP (GPU only: checked directly)
+        check_engine_args(args, CPKVOptions(enable=True, prefetch=True))
+    assert any(m in str(info.value) for m in DOC["prefetch"])
+    args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=2, enforce_eager=True)
+    check_engine_args(args, CPKVOptions(enable=True, prefetch=True))  # TP, dense: allowed
 
 
 def test_pcp_sharding_accepts_the_kv_connector(tiny_dsv2, monkeypatch):
@@ -219,18 +263,16 @@ def test_row_spec_method(tiny_dsv2):
         "model": tiny_dsv2, "num_speculative_tokens": 2})  # a draft model
 
 
-def test_row_spec_gpu(tiny_dsv2, monkeypatch):
+def test_speculative_decoding_runs_with_graphs_on_gpu(monkeypatch):
+    """MTP and n-gram are admitted on GPU, eager or with CUDA graphs (the
+    verification and draft decode rows read persistent buffers,
+    tests/test_graph_buffers.py; measured in the GPU matrix)."""
     from vllm_cp_kv.integration import checks
 
-    monkeypatch.setattr(checks, "_on_gpu", lambda: True)
-    mtp = {"method": "mtp", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError) as info:
-        checks.check_speculative(mtp, eager=False)  # CUDA graphs
-    assert any(m in str(info.value) for m in DOC["spec-gpu"])
-    checks.check_speculative(mtp, eager=True)  # TP or PCP, eager: the V2 speculator
-    monkeypatch.setattr(checks, "_on_gpu", lambda: False)
-    for method in ("mtp", "deepseek_mtp", "ngram"):  # allowed on CPU
-        checks.check_speculative({"method": method, "num_speculative_tokens": 1})
+    for gpu in (True, False):
+        monkeypatch.setattr(checks, "_on_gpu", lambda gpu=gpu: gpu)
+        for method in ("mtp", "deepseek_mtp", "ngram"):
+            checks.check_speculative({"method": method, "num_speculative_tokens": 1})
     checks.check_speculative({"model": "[ngram]", "num_speculative_tokens": 1})
     checks.check_speculative('{"method": "mtp", "num_speculative_tokens": 1}')  # CLI JSON
 

@@ -43,6 +43,8 @@ def pcp_manager(monkeypatch):
     runner = SimpleNamespace(cp_kv_runtime=_runtime())
     mgr = object.__new__(last_token.bound_manager_cls(runner, pcp.CPKVPCPManager))
     mgr.device = torch.device("cpu")
+    mgr.pcp_world_size = 2
+    mgr._input_buffers = SimpleNamespace(is_padding=torch.zeros(6, dtype=torch.bool))
     mgr._global_batch = SimpleNamespace(
         num_reqs=2, num_scheduled_tokens=np.array([9, 1]),
         idx_mapping_np=np.array([4, 7]), num_computed_tokens_np=np.array([0, 30]),
@@ -97,10 +99,10 @@ def test_the_forward_context_finds_the_steps_padding_through_the_metadata():
     batch = SimpleNamespace(padding=(local, gathered))
     md = {"layer.0": SimpleNamespace(cp_kv=SimpleNamespace(batch=batch)),
           "other": SimpleNamespace()}
-    assert plugin._recorded_padding(md)[1] is gathered
-    assert plugin._recorded_padding([md])[1] is gathered  # micro-batches
-    assert plugin._recorded_padding({"other": SimpleNamespace()}) is None
-    assert plugin._recorded_padding(None) is None
+    assert plugin._recorded_padding(md) == (True, batch.padding)
+    assert plugin._recorded_padding([md])[1][1] is gathered  # micro-batches
+    assert plugin._recorded_padding({"other": SimpleNamespace()}) == (False, None)
+    assert plugin._recorded_padding(None) == (False, None)
 
 
 def test_a_chained_draft_step_under_pcp_drops_the_split_and_its_padding(pcp_manager):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds (or reuses) the vLLM 0.32 GPU payload and splits it into the staging
-# folders .s01 .. .sNN at the repo root (git-ignored), one 58 MiB part each.
+# folders .s01 .. .sNN at the repo root (git-ignored), one 46 MiB part each (PART_SIZE).
 # Usage (on this CPU machine): bash scripts/gpu/build_payload.sh [WORKDIR]
 # WORKDIR defaults to .work/gpu-payload; about 8 minutes on 2 cores, 6 GB.
 # The recipe (cp312 wheels installed with --target, unneeded files deleted,
@@ -32,6 +32,8 @@ if [ ! -f payload.tar.xz ] || [ ! -f payload.done ]; then
   tar -cf - site | xz -T2 -6 > payload.tar.xz
   touch payload.done
 fi
-rm -rf "$ROOT"/.s[0-9][0-9] parts; mkdir parts; split -b 58M -d -a 2 payload.tar.xz parts/p.
+# parts small enough that one part and the tracked tree (about 15 MB of
+# committed results) stay under the device call's 64 MiB
+rm -rf "$ROOT"/.s[0-9][0-9] parts; mkdir parts; split -b "${PART_SIZE:-46M}" -d -a 2 payload.tar.xz parts/p.
 i=1; for p in parts/p.*; do d=$(printf "%s/.s%02d" "$ROOT" $i); mkdir -p "$d"; cp "$p" "$d/"; i=$((i+1)); done
 echo "staging folders: $(cd "$ROOT" && ls -d .s[0-9][0-9] | tr '\n' ' ')"

@@ -131,6 +131,7 @@ class ShardedBuilder:
                 f"{self.cp_kv_inner.get_name()} builder split {metadata.num_decodes}.")
         if made.decode is not None and common.block_table_tensor.is_cuda:
             metadata.decode = decode.build_local(self, made.decode, self.cp_kv_decode_ranks)
+            runtime.batch_bytes(self._decode_bytes(made.decode, runtime.spec.size))
         elif made.decode is not None and self.cp_kv_inner.get_name() == "AMX_MLA" \
                 and made.amx is None:
             made.amx = decode.build_local_amx(made.decode, self.kv_cache_spec.block_size)
@@ -138,6 +139,33 @@ class ShardedBuilder:
             made.build_decode = self._build_decode  # vLLM's kernel on a view
         metadata.cp_kv = made
         return metadata
+
+    def _decode_bytes(self, view, size: int) -> int:
+        """This step's shard-aware decode bytes over the builder's layers
+        (``decode.gpu_step_bytes``; counted here since a replayed graph runs
+        no Python)."""
+        config = self.cp_kv_layers[0]
+        elt = config.model_config.dtype.itemsize
+        gathers = view.gather_heads and not config.parallel_config.dcp_q_replicate
+        per_layer = decode.gpu_step_bytes(
+            view, heads=self.num_heads * self.cp_kv_decode_ranks,
+            q_width=self.kv_cache_spec.head_size, v_dim=self.mla_dims.kv_lora_rank,
+            q_bytes=elt, out_bytes=elt, size=size, gathers_queries=gathers)
+        return per_layer * len(self.cp_kv_layers[1])
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        """The inner builder's support where decode rows take the shard-aware
+        decode (its per-step inputs live in persistent buffers:
+        ``planning.DecodeBuffers``). A decode that reads a materialized full
+        view (sparse models, ``cp_kv.decode = "materialize"``) gathers a
+        per-batch plan and cannot be captured: NEVER, so vLLM keeps
+        attention out of its graphs (its default mode becomes PIECEWISE)."""
+        from vllm.v1.attention.backend import AttentionCGSupport
+
+        if not lse_decode_enabled(vllm_config, cls.cp_kv_sparse):
+            return AttentionCGSupport.NEVER
+        return super().get_cudagraph_support(vllm_config, kv_cache_spec)
 
     def _chunk_metadata(self, made, common, prefill) -> list:
         """For each context chunk, the prefill metadata vLLM's context loop

@@ -57,7 +57,13 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             f"--prefill-context-parallel-size={pcp} is not supported yet; the KV "
             "shard group is the PCP group with TP 1, or the TP group without PCP.")
     if _on_gpu() and not args.enforce_eager:
-        check_cuda_graphs(args.compilation_config, options)
+        check_cuda_graphs(args.compilation_config)
+    if options.prefetch and (pcp > 1 or options.decode != "lse"):
+        raise CPKVConfigError(
+            "cp_kv: prefetch gathers layer l+1's full view while layer l runs, before "
+            "layer l+1 writes this step's KV; under PCP and with cp_kv.decode="
+            "'materialize' the view holds this step's tokens, which the prefetch would "
+            "read stale. Remove cp_kv.prefetch (or use the default decode without PCP).")
     if pcp > 1 and not _on_gpu():
         raise CPKVConfigError(
             "cp_kv: sharding over the prefill-context-parallel group "
@@ -85,19 +91,17 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             f"--block-size={args.block_size}; block ownership needs them equal. "
             "Remove --cp-kv-cache-interleave-size (cp_kv sets it).")
     if args.speculative_config:
-        check_speculative(args.speculative_config, eager=bool(args.enforce_eager))
+        check_speculative(args.speculative_config)
     check_hisparse(args.attention_config)
     # Before vLLM's own DCP validation, which would reject a non-MLA model
     # with a message that does not mention cp_kv.
     model_config = args.create_model_config()
     check_model(model_config)
-    if _on_gpu() and not args.enforce_eager and \
-            getattr(model_config.hf_text_config, "index_topk", None):
+    if options.prefetch and getattr(model_config.hf_text_config, "index_topk", None):
         raise CPKVConfigError(
-            "cp_kv: CUDA graphs with sharded KV need the shard-aware decode, which "
-            "sparse-attention (DeepSeek-V3.2) models do not use (their decode "
-            "reads a materialized full view, planned per batch); add "
-            "--enforce-eager or disable cp_kv.")
+            "cp_kv: prefetch is for dense MLA models; a sparse-attention model reads "
+            "this step's tokens through its view (the indexer too), which the prefetch "
+            "would read stale. Remove cp_kv.prefetch.")
     args.decode_context_parallel_size = size
     if not _on_gpu():
         derive_torch_rope(args.compilation_config)
@@ -138,19 +142,19 @@ def derive_query_replication(args, pcp: int, options: CPKVOptions) -> None:
 
 
 # Speculative methods that run with sharded KV: DeepSeek MTP (its draft
-# layer's latent KV is sharded like the target's; plugin.py item 14) and
-# n-gram lookup (no draft model); verification rows of 1 + k tokens are
-# decode rows of the shard-aware decode (decode.py).
+# layer's latent KV is sharded like the target's; plugin.py items 14, 15)
+# and n-gram lookup (no draft model); verification rows of 1 + k tokens are
+# decode rows of the shard-aware decode (planning.decode_view).
 SPECULATIVE_METHODS = ("mtp", "deepseek_mtp", "ngram")
 
 
-def check_speculative(speculative_config, eager: bool = True) -> None:
-    """``--speculative-config``: a method that runs with sharded KV, where it
-    was built and tested: CPU (vLLM's V1 model runner and its drafter,
-    plugin.py item 14) and GPU in eager mode over the TP or the PCP group
-    (vLLM's V2 runner and its speculator, item 15; under PCP vLLM itself
-    allows single-module MTP only). Not with CUDA graphs (captured draft
-    steps would replay a stale plan)."""
+def check_speculative(speculative_config) -> None:
+    """``--speculative-config``: a method that runs with sharded KV: CPU
+    (vLLM's V1 model runner and its drafter, plugin.py item 14) and GPU over
+    the TP or the PCP group (vLLM's V2 runner and its speculator, item 15;
+    under PCP vLLM itself allows single-module MTP only), eager or with
+    vLLM's CUDA graphs (the verification and draft decode rows read
+    persistent buffers, as any decode row)."""
     spec = speculative_config
     if isinstance(spec, str):
         import json
@@ -162,35 +166,40 @@ def check_speculative(speculative_config, eager: bool = True) -> None:
         raise CPKVConfigError(
             f"cp_kv: speculative method {method!r} is not supported with sharded KV; "
             "use \"mtp\" (DeepSeek MTP) or \"ngram\", or disable cp_kv.")
-    if _on_gpu() and not eager:
-        raise CPKVConfigError(
-            "cp_kv: speculative decoding with sharded KV runs on GPU with "
-            "--enforce-eager, not with CUDA graphs yet (captured draft steps would "
-            "replay a stale plan); add --enforce-eager, remove --speculative-config, "
-            "or disable cp_kv.")
 
 
+# cudagraph modes that never capture a batch with prefill rows
 GRAPH_MODES = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE")
 
 
-def check_cuda_graphs(compilation_config, options: CPKVOptions) -> None:
-    """CUDA graphs: only decode batches may be captured whole.
+def check_cuda_graphs(compilation_config) -> None:
+    """CUDA graphs (GPU without ``--enforce-eager``).
 
-    A full-view gather is planned per batch (its size depends on the
-    batch's blocks), so batches with prefills must stay outside full graphs
-    (vLLM's FULL_DECODE_ONLY, FULL_AND_PIECEWISE, or PIECEWISE, where
-    attention runs eagerly between the graph pieces). Decode batches need
-    no plan with the shard-aware decode (``cp_kv.decode = "lse"``): queries,
-    partial outputs and LSEs have the batch's fixed shapes.
+    A prefill's full-view gather is planned per batch (its size depends on
+    the batch's blocks), so batches with prefills stay outside full graphs:
+    vLLM's FULL_DECODE_ONLY, FULL_AND_PIECEWISE (its default) or PIECEWISE,
+    where attention runs between the graph pieces. Decode batches with the
+    shard-aware decode are captured whole: every per-step input of the
+    captured kernels and collectives is a persistent buffer written in place
+    (``planning.DecodeBuffers``). A decode that reads a materialized full
+    view (sparse models, ``cp_kv.decode = "materialize"``) declares no
+    full-graph support, so vLLM keeps attention out of its graphs
+    (``backend.ShardedBuilder.get_cudagraph_support``). The debug switch
+    reads results back to the host inside the forward, which a replayed
+    graph never runs: it needs ``--enforce-eager``.
     """
-    if options.decode != "lse":
+    from .options import debug_enabled
+
+    if debug_enabled():
         raise CPKVConfigError(
-            "cp_kv: CUDA graphs with sharded KV need the shard-aware decode "
-            "(cp_kv.decode='lse'); the materializing decode plans a gather per "
-            "batch. Remove cp_kv.decode, or add --enforce-eager.")
+            "cp_kv: VLLM_CP_KV_DEBUG=1 checks each step on the host, which a replayed "
+            "CUDA graph skips; add --enforce-eager for a debug run, or unset "
+            "VLLM_CP_KV_DEBUG.")
     mode = getattr(compilation_config, "cudagraph_mode", None)
+    if isinstance(compilation_config, dict):
+        mode = compilation_config.get("cudagraph_mode", mode)
     name = getattr(mode, "name", mode)
-    if name is not None and name not in GRAPH_MODES + ("NONE",):
+    if name is not None and str(name).upper() not in GRAPH_MODES + ("NONE",):
         raise CPKVConfigError(
             f"cp_kv: cudagraph_mode {name} would capture prefill batches, whose "
             "full-view gather is planned per batch; use one of "

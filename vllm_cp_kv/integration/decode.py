@@ -4,13 +4,14 @@ ranks' partial outputs are merged by LSE (the math, the torch kernel and the
 merge: ``core/decode.py``). Queries, outputs and LSEs cross ranks, never the
 context.
 
-* :func:`decode_view`: the decode rows' paged view of the owned tokens, made
-  once per batch by :func:`~vllm_cp_kv.integration.planning.plan_batch`.
-  **Rows with several query tokens** (speculative verification, short
-  prefills a backend routes to its decode path) are handled here and only
-  here: every query token becomes a row of its own with its own causal
-  limit (``core.decode.query_token_lens``), so the kernels, the merge and
-  the debug check below see rows of one query token each.
+* The decode rows' paged view of the owned tokens
+  (:class:`~vllm_cp_kv.integration.planning.DecodeView`) is planned once per
+  batch with the rest of the batch (``planning.decode_view``). **Rows with
+  several query tokens** (speculative verification, short prefills a
+  backend routes to its decode path) become rows of one query token each
+  there, each with its own causal limit (``core.decode.query_token_lens``),
+  so the kernels, the merge and the debug check below see rows of one query
+  token each.
 * :func:`decode_threshold`: the longest row the shard-aware decode takes.
 * :func:`run_gpu`: vLLM's DCP decode as vLLM runs it (its kernel with the
   LSE on the owned blocks, its merge); :func:`run_cpu`: with AMX_MLA vLLM's
@@ -31,57 +32,11 @@ from vllm.logger import init_logger
 
 from ..core import debug as core_debug
 from ..core.decode import merge_by_lse, paged_attention_with_lse, query_token_lens
-from ..core.ownership import owned_token_count
 from ..core.plan import plan_materialization
 from . import plugin
-from .planning import host_seq_lens
+from .planning import DecodeView
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
-
-
-@dataclass(frozen=True)
-class DecodeView:
-    """Decode rows' view of the persistent cache, one row per query token.
-
-    ``block_table`` is vLLM's shared virtual table (on this rank, column
-    ``c`` holds logical block ``c * N + rank``), its row repeated for each
-    query token of a request, and ``local_lens`` the tokens this rank owns
-    that each query token sees: together a paged sequence of exactly this
-    rank's visible tokens per query token.
-    """
-
-    block_table: torch.Tensor  # [T, C]
-    local_lens: torch.Tensor  # [T] int32
-    max_local_len: int  # host, an upper bound
-    gather_heads: bool  # TP shard group: this rank returns H / N heads (all_heads)
-    query_start_loc: torch.Tensor  # [T + 1] int32 on the device: one query per row
-    query_start_loc_cpu: torch.Tensor  # [T + 1] int32
-    multi_query: bool = False  # some request row had several query tokens
-
-
-def decode_view(common, num_decodes: int, spec, gather_heads: bool) -> DecodeView:
-    """This rank's paged view of the decode rows' owned tokens, one row per
-    query token. The lengths are computed here, on the device and in int32,
-    whichever model runner built the batch (vLLM's V2 runner fills
-    ``dcp_local_seq_lens`` but not its host upper bound, and per request)."""
-    table = common.block_table_tensor[:num_decodes]
-    qsl_cpu = common.query_start_loc_cpu[: num_decodes + 1]
-    query_lens = (qsl_cpu[1:] - qsl_cpu[:-1]).tolist()
-    rows, local = query_token_lens(common.seq_lens[:num_decodes], query_lens, spec)
-    # an upper bound is enough for the kernels' launch sizes (owned counts
-    # grow with the sequence)
-    max_local = int(owned_token_count(host_seq_lens(common)[:num_decodes], spec).max()) \
-        if num_decodes else 0
-    if rows is None:
-        return DecodeView(block_table=table, local_lens=local, max_local_len=max_local,
-                          gather_heads=gather_heads,
-                          query_start_loc=common.query_start_loc[: num_decodes + 1],
-                          query_start_loc_cpu=qsl_cpu)
-    one = torch.arange(rows.numel() + 1, dtype=torch.int32)
-    return DecodeView(block_table=table.index_select(0, rows), local_lens=local,
-                      max_local_len=max_local, gather_heads=gather_heads,
-                      query_start_loc=one.to(table.device), query_start_loc_cpu=one,
-                      multi_query=True)
 
 
 def decode_threshold(vllm_config, inner_threshold: int | None) -> int | None:
@@ -106,10 +61,26 @@ def build_local(builder, view: DecodeView, heads_of_ranks: int):
     """GPU: the decode rows' metadata for this rank's own blocks, as vLLM's
     DCP builds it (the builder's ``_build_decode`` with the local lengths),
     one query token per row, sized for the heads of ``heads_of_ranks`` ranks
-    (all H under TP, where the queries are gathered)."""
+    (all H under TP, where the queries are gathered). What the captured
+    kernels read is the view's persistent storage and the builder's own
+    persistent buffers (its scheduler metadata)."""
     with plugin.builder_heads_of(builder, heads_of_ranks):
         return _one_query_rows(builder._build_decode, view, view.block_table,
                                view.local_lens, view.max_local_len)
+
+
+def gpu_step_bytes(view: DecodeView, *, heads: int, q_width: int, v_dim: int,
+                   q_bytes: int, out_bytes: int, size: int, gathers_queries: bool) -> int:
+    """What one layer's shard-aware decode receives from the other ranks on
+    GPU (:func:`run_gpu`), from the batch's shapes alone: a replayed CUDA
+    graph runs no Python, so the builder counts a step's bytes when it
+    plans the step. ``heads``: all H; ``gathers_queries``: the TP query
+    all-gather runs (not with vLLM's query replication or under PCP)."""
+    rows, n = view.local_lens.shape[0], size
+    q = rows * heads * q_width * q_bytes * (n - 1) // n if gathers_queries else 0
+    lse = rows * heads * 4 * (n - 1)  # float32 LSEs, all-gathered
+    out = rows * heads * v_dim * out_bytes * (n - 1) // n  # reduce-scattered (TP)
+    return q + lse + out
 
 
 def _one_query_rows(build_decode, view: DecodeView, table, lens, max_len: int):
@@ -155,7 +126,7 @@ def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_c
     from vllm.v1.attention.ops.dcp import cp_lse_ag_out_ar, cp_lse_ag_out_rs
 
     view = attn_metadata.cp_kv.decode
-    q = all_heads(runtime, view, q, impl.num_heads)
+    q = all_heads(runtime, view, q, impl.num_heads, count=False)  # counted at build
     # the kernel sees a plain paged sequence (no DCP masking: a decode query
     # sees every key), and returns its LSE
     if view.multi_query:  # FLASHMLA shapes its queries by the row count
@@ -165,10 +136,8 @@ def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_c
         out, lse = forward_mqa(q, kv_cache, attn_metadata, layer)
     lse = float32.get("lse", lse)
     combine = cp_lse_ag_out_rs if view.gather_heads else cp_lse_ag_out_ar
-    merged = combine(out, lse, runtime.group, is_lse_base_on_e=impl.lse_base_on_e,
-                     seq_lens=view.local_lens, query_start_loc=view.query_start_loc)
-    runtime.count_merge(out, lse)
-    return merged
+    return combine(out, lse, runtime.group, is_lse_base_on_e=impl.lse_base_on_e,
+                   seq_lens=view.local_lens, query_start_loc=view.query_start_loc)
 
 
 @dataclass(frozen=True)

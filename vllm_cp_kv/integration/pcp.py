@@ -14,9 +14,13 @@ over the PCP group needs, and :func:`make_runner_cls` selects it through
   metadata builder derives the same plan.
 * **MoE padding.** Under PCP vLLM's MoE layers route the PCP-gathered tokens
   but read the rank-local padding mask (vLLM 0.32: ``topk_softmax ...
-  is_padding size mismatch``); the manager records the gathered mask in the
-  step's context and the plugin hands it to the forward context
-  (``plugin.patch_forward_context``).
+  is_padding size mismatch``); the manager writes each step's gathered mask
+  (every rank's own padding, from vLLM's split) into a buffer of its own
+  that outlives the step, as vLLM keeps its local mask (a captured MoE
+  layer reads the same address at every replay), records it in the step's
+  context (and on itself, for ``kv_sharding: false``), and the plugin hands
+  it to the forward context (``plugin.patch_forward_context``,
+  :func:`gathered_padding`).
 
 Both records go into the open step's
 :class:`~vllm_cp_kv.integration.planning.BatchContext`, which the worker opens
@@ -26,6 +30,8 @@ closes one.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 import torch
@@ -49,8 +55,69 @@ def gathered_padding_mask(counts: list[int], padded: int) -> torch.Tensor:
     return (torch.arange(padded)[None, :] >= torch.tensor(counts)[:, None]).flatten()
 
 
+_MANAGER: list = [lambda: None]  # the worker process's PCP manager (a weak reference)
+
+
+def gathered_padding(planned: bool, recorded, is_padding: torch.Tensor, pcp: int
+                     ) -> torch.Tensor:
+    """The PCP-gathered padding mask of a forward whose local mask is
+    ``is_padding``: the mask ``recorded`` for it (the step's, from vLLM's
+    split), else, for forwards identical on every rank (dummy and capture
+    runs, the drafter's chained steps), the local mask repeated; both in the
+    PCP manager's persistent buffer. ``planned``: the forward's metadata
+    carries a batch plan, whose step record is ``recorded`` (None: a
+    replicated forward); without one (``kv_sharding: false``) the manager's
+    own record of the step is used where it is this forward's mask."""
+    manager = _MANAGER[0]()
+    if not planned and manager is not None:
+        recorded = manager.cp_kv_padding_of(is_padding)
+    if recorded is not None:
+        local, gathered = recorded
+        if local.shape != is_padding.shape:
+            raise RuntimeError(
+                f"cp_kv: the PCP step recorded a padding mask of {local.shape} "
+                f"tokens, the forward has {is_padding.shape}; stale step state.")
+        return gathered
+    if manager is None:  # no manager in this process (tests)
+        return is_padding.repeat(pcp)
+    return manager.cp_kv_write_padding(is_padding.expand(pcp, -1))
+
+
 class CPKVPCPManager(LastTokenPCPManager):
     """vLLM's PCP manager with the last-token gather and KV sharding."""
+
+    cp_kv_padding = None  # (local mask, gathered mask) of the last real step
+    _cp_kv_padding_buffer = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _MANAGER[0] = weakref.ref(self)  # found by gathered_padding from capture on
+
+    def cp_kv_write_padding(self, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` ([PCP, local tokens], any device) into the persistent
+        gathered-mask buffer; returns its rank-major view."""
+        n = mask.numel()
+        buf = self._cp_kv_padding_buffer
+        if buf is None:
+            local = self.input_buffers.is_padding.shape[0]
+            buf = self._cp_kv_padding_buffer = torch.ones(
+                self.pcp_world_size * local, dtype=torch.bool, device=self.device)
+        if n > buf.numel():
+            raise RuntimeError(f"cp_kv: a PCP padding mask of {n} tokens exceeds the "
+                               f"{buf.numel()} of the manager's buffer.")
+        out = buf[:n]
+        out.view(mask.shape).copy_(mask, non_blocking=True)
+        return out
+
+    def cp_kv_padding_of(self, is_padding: torch.Tensor):
+        """The recorded masks if ``is_padding`` is the last step's local mask
+        (the same storage and length; ``kv_sharding: false``, where no batch
+        plan carries the record)."""
+        rec = self.cp_kv_padding
+        if rec is not None and rec[0].data_ptr() == is_padding.data_ptr() \
+                and rec[0].shape == is_padding.shape:
+            return rec
+        return None
 
     @staticmethod
     def validate_config(vllm_config, supports_mm_inputs: bool) -> None:
@@ -65,22 +132,25 @@ class CPKVPCPManager(LastTokenPCPManager):
 
     def partition_batch(self, input_batch, batch_desc):
         local = super().partition_batch(input_batch, batch_desc)
+        g = self.global_batch
+        n = g.num_reqs
+        sched = np.asarray(g.num_scheduled_tokens)
+        padded = local.is_padding.shape[0]
+        mask = gathered_padding_mask(rank_token_counts(self, sched, g.is_prefilling_np),
+                                     padded)
+        self.cp_kv_padding = (local.is_padding,
+                              self.cp_kv_write_padding(mask.view(-1, padded)))
         runtime = self.cp_kv_runtime()
         if runtime is None:  # vLLM's profile run, before the worker made it
             return local
         batch = runtime.batch()  # the open step (the worker's, or a dummy run's)
-        g = self.global_batch
-        n = g.num_reqs
-        sched = np.asarray(g.num_scheduled_tokens)
         batch.pcp_step = PCPStep(
             keys=np.asarray(g.idx_mapping_np[:n]).copy(),
             seq_lens=(np.asarray(g.num_computed_tokens_np[:n])
                       + sched[:n]).astype(np.int64),
             is_prefill=np.asarray(g.is_prefilling_np[:n], dtype=bool).copy(),
             row_keys=np.asarray(local.idx_mapping_np[: local.num_reqs]).copy())
-        mask = gathered_padding_mask(rank_token_counts(self, sched, g.is_prefilling_np),
-                                     local.is_padding.shape[0])
-        batch.padding = (local.is_padding, mask.to(self.device, non_blocking=True))
+        batch.padding = self.cp_kv_padding
         return local
 
 

@@ -18,6 +18,13 @@ per step and shared by every builder and layer of the batch.
 * The step's :class:`BatchContext` (opened by ``ShardRuntime.step``) holds
   the plans; a :class:`BatchPlan` rides on the attention metadata
   (``metadata.cp_kv``) to the layers.
+* Decode rows of the shard-aware decode get their :class:`DecodeView` here
+  (:func:`decode_view`): this rank's paged view of its own tokens, one row
+  per query token, written into :class:`DecodeBuffers` that outlive every
+  step. vLLM's full CUDA graphs replay the decode kernels on the addresses
+  they saw at capture, so every tensor those kernels and the merge read is a
+  slice of a persistent buffer (vLLM's own, or these), rewritten in place
+  each step, with the captured shape (vLLM's padded batch).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import torch
 from vllm.logger import init_logger
 
 from ..core import debug as core_debug
+from ..core.decode import query_token_lens
+from ..core.ownership import CPShardSpec
 from ..core.plan import (ContextChunk, MaterializationPlan, plan_context_chunks,
                          plan_materialization, plan_split_requests)
 
@@ -46,6 +55,120 @@ class PCPStep:
     seq_lens: np.ndarray  # [G] tokens each request has after this step
     is_prefill: np.ndarray  # [G] bool: the request prefills in this step
     row_keys: np.ndarray  # [R_local] request-state index of each local row
+
+
+@dataclass(frozen=True)
+class DecodeView:
+    """Decode rows' view of the persistent cache, one row per query token.
+
+    ``block_table`` is vLLM's shared virtual table (on this rank, column
+    ``c`` holds logical block ``c * N + rank``), its row repeated for each
+    query token of a request, and ``local_lens`` the tokens this rank owns
+    that each query token sees: together a paged sequence of exactly this
+    rank's visible tokens per query token. Rows past the batch's real query
+    tokens (vLLM's graph padding) see no token. Every tensor is a slice of a
+    persistent buffer (vLLM's or :class:`DecodeBuffers`).
+    """
+
+    block_table: torch.Tensor  # [T, C]
+    local_lens: torch.Tensor  # [T] int32
+    max_local_len: int  # host, an upper bound (vLLM's DCP bound)
+    gather_heads: bool  # TP shard group: this rank returns H / N heads (all_heads)
+    query_start_loc: torch.Tensor  # [T + 1] int32 on the device: one query per row
+    query_start_loc_cpu: torch.Tensor  # [T + 1] int32
+    multi_query: bool = False  # some request row had several query tokens
+
+
+class DecodeBuffers:
+    """The shard-aware decode's per-step inputs, in storage that outlives
+    every step and every CUDA graph (one set per worker and block-table
+    width, made by ``ShardRuntime.decode_buffers``): each step writes the
+    same addresses in place, as vLLM's builders do with theirs
+    (``build_for_cudagraph_capture``), so a captured decode reads this
+    step's lengths and rows. Sized for ``rows`` query tokens, the most a
+    step schedules (speculative rows included)."""
+
+    def __init__(self, rows: int, table: torch.Tensor):
+        self.rows, self._like = rows, table
+        self.lens = torch.zeros(rows, dtype=torch.int32, device=table.device)
+        self._table = None
+        self._one_query = None
+
+    def check(self, rows: int) -> None:
+        if rows > self.rows:
+            raise RuntimeError(
+                f"cp_kv: a decode of {rows} query tokens exceeds the {self.rows} "
+                "rows the shard-aware decode's buffers hold "
+                "(max_num_batched_tokens); stale configuration.")
+
+    def multi_query(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block-table rows and query offsets of rows of one query token
+        (made at the first batch with several query tokens a row, which
+        vLLM's capture of speculative decode shapes makes at startup)."""
+        if self._table is None:
+            t, rows = self._like, self.rows
+            self._table = torch.zeros(rows, t.shape[1], dtype=t.dtype, device=t.device)
+            self._one_query = (torch.arange(rows + 1, dtype=torch.int32, device=t.device),
+                               torch.arange(rows + 1, dtype=torch.int32))
+        return self._table, *self._one_query
+
+
+def local_len_bound(max_seq_len: int, spec: CPShardSpec) -> int:
+    """The most tokens one rank owns of a request of ``max_seq_len`` tokens:
+    vLLM's own DCP bound (``ceil(L / (N * I)) * I``, host, no device read).
+    vLLM captures graphs with ``max_seq_len = max_model_len``, so a graph's
+    bound holds at every replay."""
+    part = spec.size * spec.block_size
+    return -(-max(max_seq_len, 1) // part) * spec.block_size
+
+
+def decode_view(common, num_decodes: int, spec: CPShardSpec, gather_heads: bool,
+                buffers: DecodeBuffers) -> DecodeView:
+    """This rank's paged view of the decode rows' owned tokens, one row per
+    query token (``core.decode.query_token_lens``), with the shape vLLM
+    captures: as many rows as the batch's (padded) decode tokens.
+
+    The lengths are computed on the device and in int32 from vLLM's
+    sequence lengths (no host read) and written into ``buffers``; rows with
+    one query token keep vLLM's own (persistent) block table and query
+    offsets. Rows vLLM added to pad a graph batch (no query token) see
+    nothing, whatever their stale sequence length."""
+    table = common.block_table_tensor[:num_decodes]
+    qsl_cpu = common.query_start_loc_cpu[: num_decodes + 1]
+    query_lens = (qsl_cpu[1:] - qsl_cpu[:-1]).tolist()
+    real = sum(1 for n in query_lens if n > 0)
+    if any(n == 0 for n in query_lens[:real]):
+        raise RuntimeError("cp_kv: decode rows without a query token before rows with "
+                           "one; vLLM pads batches at the end.")
+    # a batch of only decode rows has vLLM's padded token count (a graph shape)
+    tokens = common.num_actual_tokens if num_decodes == common.num_reqs \
+        else int(qsl_cpu[-1])
+    bound = local_len_bound(common.max_seq_len, spec)
+    lens = buffers.lens
+    if max(query_lens, default=0) <= 1 and tokens <= num_decodes:
+        buffers.check(num_decodes)
+        _, local = query_token_lens(common.seq_lens[:real], query_lens[:real], spec)
+        lens[:real].copy_(local)
+        lens[real:].zero_()
+        return DecodeView(block_table=table, local_lens=lens[:num_decodes],
+                          max_local_len=bound, gather_heads=gather_heads,
+                          query_start_loc=common.query_start_loc[: num_decodes + 1],
+                          query_start_loc_cpu=qsl_cpu)
+    rows, local = query_token_lens(common.seq_lens[:real], query_lens[:real], spec)
+    if rows is None:  # one token a row, fewer rows than the graph's tokens
+        rows = torch.arange(real, device=table.device)
+    n = local.numel()
+    total = max(tokens, n)
+    buffers.check(total)
+    rows_table, one_query, one_query_cpu = buffers.multi_query()
+    if n:
+        torch.index_select(table, 0, rows, out=rows_table[:n])
+    lens[:n].copy_(local)
+    lens[n:].zero_()
+    return DecodeView(block_table=rows_table[:total], local_lens=lens[:total],
+                      max_local_len=bound, gather_heads=gather_heads,
+                      query_start_loc=one_query[: total + 1],
+                      query_start_loc_cpu=one_query_cpu[: total + 1], multi_query=True)
 
 
 @dataclass
@@ -78,7 +201,7 @@ class BatchPlan:
     full_table: torch.Tensor | None  # rows' full-view block table (first chunk's)
     reads: bool  # host flag, identical on every rank: gather for prefills
     num_decodes: int = 0
-    decode: object = None  # decode.DecodeView: decode rows use the LSE path
+    decode: DecodeView | None = None  # decode rows use the LSE path
     amx: object = None  # decode.AMXLocal: AMX_MLA's kernel metadata for the owned blocks
     # the cached context as chunks read one after another (core.plan.ContextChunk;
     # one chunk: the single gather, ``plan``); None under PCP
@@ -159,8 +282,6 @@ def plan_batch(runtime, common, num_decodes: int, *, whole: bool, lse_decode: bo
 
     ``chunked``: the context may be read in scratch-sized chunks (the
     backend merges them by LSE)."""
-    from .decode import decode_view
-
     batch = runtime.batch()
     key = whole
     made = batch.plans.get(key)
@@ -203,7 +324,8 @@ def plan_batch(runtime, common, num_decodes: int, *, whole: bool, lse_decode: bo
                      full_table=full.to(table.device), reads=reads,
                      num_decodes=num_decodes, chunks=chunks)
     if lse_decode and num_decodes:
-        made.decode = decode_view(common, num_decodes, spec, spec.spans_tp)
+        made.decode = decode_view(common, num_decodes, spec, spec.spans_tp,
+                                  runtime.decode_buffers(common.block_table_tensor))
         batch.multi_query |= made.decode.multi_query
     batch.plans[key] = made
     batch.has_plans = True

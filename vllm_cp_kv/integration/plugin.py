@@ -21,7 +21,8 @@ no.    target (vLLM 0.32)                               installed   scope
 7      ``InputProcessor._validate_params``              register    process
 8      ``get_dcp_group`` in vLLM's MLA modules and      ``with``    scoped
        ``parallel_config.decode_context_parallel_size`` block
-9      V2 ``model_runner.set_forward_context``          worker      PCP only
+9      V2 ``set_forward_context`` (model runner,        worker      PCP only
+       graph capture, MTP drafter)
 10     ``DeepseekV32IndexerCache.get_attn_backend`` and worker      sparse
        ``deepseek_v32.attention.sparse_attn_indexer``
 11     ``triton_mla.decode_attention_fwd``              ``with``    scoped
@@ -77,9 +78,11 @@ Why each is needed:
    :func:`unsharded_view`).
 9. Under PCP, vLLM 0.32's MoE layers route the PCP-gathered tokens but slice
    the rank-local padding mask (``topk_softmax ... is_padding size
-   mismatch``); hand them the gathered mask the PCP manager recorded. The
-   same for the V2 MTP drafter's forwards (its module imports
-   ``set_forward_context`` by name; a DeepSeek MTP layer is MoE).
+   mismatch``); hand them the gathered mask the PCP manager recorded, in
+   the manager's persistent buffer (``pcp.gathered_padding``). The same for
+   the V2 runner's CUDA graph captures (a captured MoE layer reads that
+   buffer at every replay) and the MTP drafter's forwards (each module
+   imports ``set_forward_context`` by name; a DeepSeek MTP layer is MoE).
 10. Sparse (DeepSeek-V3.2) models: the indexer cache's builder plans with the
     latent and sees the full view, and vLLM's indexer op runs on the full
     view (``sparse.py``).
@@ -374,12 +377,13 @@ def patch_forward_context() -> None:
     if "forward_context" in _WORKER_PATCHES:
         return
     _WORKER_PATCHES.add("forward_context")
-    from vllm.v1.worker.gpu import model_runner
+    from vllm.v1.worker.gpu import cudagraph_utils, model_runner
     from vllm.v1.worker.gpu.spec_decode.target_dependent_ar import speculator
 
-    # the V2 runner's forwards and its MTP drafter's (which imports the
-    # function by name): a DeepSeek MTP layer is MoE too
-    for module in (model_runner, speculator):
+    # the V2 runner's forwards, its CUDA graph captures (whose MoE layers keep
+    # reading the mask's buffer at every replay) and its MTP drafter's (each
+    # module imports the function by name): a DeepSeek MTP layer is MoE too
+    for module in (model_runner, cudagraph_utils, speculator):
         module.set_forward_context = _gathered_padding(module.set_forward_context)
 
 
@@ -389,34 +393,29 @@ def _gathered_padding(orig):
                             **kwargs):
         pcp = vllm_config.parallel_config.prefill_context_parallel_size
         if is_padding is not None and pcp > 1 and _enabled(vllm_config):
-            recorded = _recorded_padding(attn_metadata)
-            if recorded is not None:
-                local, gathered = recorded
-                if local.shape != is_padding.shape:
-                    raise RuntimeError(
-                        f"cp_kv: the PCP step recorded a padding mask of {local.shape} "
-                        f"tokens, the forward has {is_padding.shape}; stale step state.")
-                is_padding = gathered
-            else:
-                # dummy and profile runs, and the drafter's chained steps
-                # (item 15), are identical on every rank
-                is_padding = is_padding.repeat(pcp)
+            from .pcp import gathered_padding
+
+            # the step's recorded mask; dummy and profile runs, and the
+            # drafter's chained steps (item 15), are identical on every rank
+            is_padding = gathered_padding(*_recorded_padding(attn_metadata), is_padding,
+                                          pcp)
         return orig(attn_metadata, vllm_config, *args, is_padding=is_padding,
                     **kwargs)
 
     return set_forward_context
 
 
-def _recorded_padding(attn_metadata):
-    """The padding masks the PCP manager recorded in this forward's step
-    (reached through the batch plan on the sharded layers' metadata)."""
+def _recorded_padding(attn_metadata) -> tuple[bool, object]:
+    """Whether this forward's metadata carries a batch plan, and the padding
+    masks the PCP manager recorded in its step (None where the forward is
+    replicated on every rank)."""
     groups = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
     for group in groups:
         for md in (group or {}).values():
             made = getattr(md, "cp_kv", None)
             if made is not None:
-                return made.batch.padding
-    return None
+                return True, made.batch.padding
+    return False, None
 
 
 # -- 10 ---------------------------------------------------------------------
@@ -636,6 +635,7 @@ REGISTRY = (
                   "vllm.v1.attention.backends.mla.indexer:get_dcp_group",
                   "vllm.config.parallel:ParallelConfig.decode_context_parallel_size")),
     Rebinding(9, ("vllm.v1.worker.gpu.model_runner:set_forward_context",
+                  "vllm.v1.worker.gpu.cudagraph_utils:set_forward_context",
                   "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator:"
                   "set_forward_context",
                   "vllm.v1.worker.gpu.model_runner:GPUModelRunner.pcp_manager_cls"),

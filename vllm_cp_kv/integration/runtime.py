@@ -25,7 +25,7 @@ from ..core.materialize import (AllGatherFn, LayerPrefetcher, ScratchPool,
 from ..core.plan import MaterializationPlan
 from .geometry import ShardGeometry, shard_rank
 from .options import debug_enabled
-from .planning import BatchContext, BatchPlan
+from .planning import BatchContext, BatchPlan, DecodeBuffers
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
@@ -79,9 +79,14 @@ def make_all_gather_into(group) -> AllGatherFn:
 class ShardRuntime:
     """What the sharded builders and impls of one worker share."""
 
-    def __init__(self, spec: ShardGeometry, group, scratch_blocks: int | None):
+    def __init__(self, spec: ShardGeometry, group, scratch_blocks: int | None,
+                 max_decode_rows: int = 8192):
         self.spec = spec
         self.group = group
+        # the most query tokens one step's decode rows hold (the scheduler's
+        # token budget): the size of the decode buffers
+        self.max_decode_rows = max_decode_rows
+        self._decode_buffers: dict[tuple, DecodeBuffers] = {}
         self.all_gather_into = make_all_gather_into(group)
         self.pool = ScratchPool(scratch_blocks) if scratch_blocks else None
         self.debug = debug_enabled()
@@ -236,7 +241,17 @@ class ShardRuntime:
             pf.start(nxt, made.plan_of(nxt % count), self.layer_caches[nxt // count])
         return pf.wait(item)
 
-    # ---- the shard-aware decode's collectives (decode.py) ---------------
+    # ---- the shard-aware decode (planning.decode_view, decode.py) -------
+    def decode_buffers(self, table: torch.Tensor) -> DecodeBuffers:
+        """The decode rows' persistent buffers for block tables like
+        ``table`` (its width, dtype and device), made on first use and kept
+        for the worker's life: CUDA graphs captured on them stay valid."""
+        key = (table.shape[1], table.dtype, table.device)
+        buffers = self._decode_buffers.get(key)
+        if buffers is None:
+            buffers = self._decode_buffers[key] = DecodeBuffers(self.max_decode_rows, table)
+        return buffers
+
     def gather_heads(self, q: torch.Tensor, count: bool = True) -> torch.Tensor:
         """``[B, H/N, D]`` -> ``[B, H, D]`` over the shard group (TP)."""
         q = self.group.all_gather(q.contiguous(), dim=1)
@@ -244,15 +259,9 @@ class ShardRuntime:
             self.received(q)
         return q
 
-    def count_merge(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """Bytes of vLLM's merge (GPU): the LSE all-gather and the outputs'
-        reduce-scatter (what this rank receives of each)."""
-        n = self.spec.size
-        self.batch_bytes(lse.numel() * lse.element_size() * (n - 1)
-                         + out.numel() * out.element_size() * (n - 1) // n)
 
-
-def make_runtime(spec: ShardGeometry, scratch_blocks: int | None) -> ShardRuntime:
+def make_runtime(spec: ShardGeometry, scratch_blocks: int | None,
+                 max_decode_rows: int) -> ShardRuntime:
     """The worker's runtime over vLLM's DCP group (the shard group).
 
     Where the shard group is the TP group (the same ranks in the same order)
@@ -268,7 +277,7 @@ def make_runtime(spec: ShardGeometry, scratch_blocks: int | None) -> ShardRuntim
     tp = get_tp_group()
     if list(tp.ranks) == list(group.ranks):
         group = tp
-    return ShardRuntime(spec, group, scratch_blocks)
+    return ShardRuntime(spec, group, scratch_blocks, max_decode_rows)
 
 
 def runtime_of_layers(vllm_config, layer_names) -> ShardRuntime | None:

@@ -48,6 +48,15 @@ class ShardedIndexerBuilder:
                              *args, **kwargs)
         self.cp_kv_layers = (vllm_config, list(layer_names))
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        """NEVER: the indexer reads a full view gathered by a per-batch plan,
+        so vLLM keeps it out of full graphs (its op is outside piecewise
+        graphs already)."""
+        from vllm.v1.attention.backend import AttentionCGSupport
+
+        return AttentionCGSupport.NEVER
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         common = common_attn_metadata
         # the indexer reads every token of the batch, as sparse MLA does

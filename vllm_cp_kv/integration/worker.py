@@ -95,7 +95,9 @@ class ShardedKVWorker(_PlatformWorker):
         # it through their layers) and the PCP manager
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         geometry = geometry_of(self.vllm_config, block_size=spec.block_size)
-        runtime = self.cp_kv_runtime = make_runtime(geometry, self._cp_kv_scratch_blocks)
+        runtime = self.cp_kv_runtime = make_runtime(
+            geometry, self._cp_kv_scratch_blocks,
+            max_decode_rows=self.vllm_config.scheduler_config.max_num_batched_tokens)
         runtime.metrics = ShardMetrics(self.vllm_config, geometry.size, geometry.rank,
                                        first_on_node=self.local_rank == 0)
         runtime.metrics.set_capacity(kv_cache_config.num_blocks * spec.block_size

@@ -11,6 +11,9 @@ one place that turns the few settings they vary into engine arguments.
 * ``gpu_mem``: ``gpu_memory_utilization`` with vLLM's custom all-reduce off
   (the GPU checks); ``kv_bytes``: ``kv_cache_memory_bytes`` per rank (no
   memory profiling; on CPU ``VLLM_CPU_KVCACHE_SPACE``, where set, wins);
+* ``eager``: ``enforce_eager`` (default True: the CPU tests); False runs
+  vLLM's CUDA graphs, in its default mode unless ``graph_mode`` (a
+  ``cudagraph_mode`` name) or ``capture_sizes`` say otherwise;
 * ``rope``: ``"torch"`` runs PyTorch's rope instead of vLLM 0.32's CPU
   rotary kernel, which is wrong for MLA (CPU runs that must be exact:
   float32, ``backend="CPU_MLA"``, block size 16); ``"kernel"`` asks for the
@@ -38,7 +41,8 @@ def engine_kwargs(model: str, *, tp: int = 1, pcp: int = 1, dcp: int = 1,
                   backend: str | None = None, block_size: int | None = None,
                   kv_bytes: int | None = None, gpu_mem: float | None = None,
                   rope: str | None = None, eager: bool = True, kv_role: str | None = None,
-                  kv_extra: dict | None = None, **extra) -> dict:
+                  kv_extra: dict | None = None, graph_mode: str | None = None,
+                  capture_sizes: list[int] | None = None, **extra) -> dict:
     """The keyword arguments of ``vllm.LLM`` (see the module docstring)."""
     kw = dict(model=model, tokenizer=model, tensor_parallel_size=tp, seed=0,
               enforce_eager=eager)
@@ -56,8 +60,15 @@ def engine_kwargs(model: str, *, tp: int = 1, pcp: int = 1, dcp: int = 1,
         kw["block_size"] = block_size
     if backend:
         kw["attention_config"] = {"backend": backend}
+    compilation = {}
     if rope:
-        kw["compilation_config"] = {"custom_ops": ["all", ROPE[rope]]}
+        compilation["custom_ops"] = ["all", ROPE[rope]]
+    if graph_mode:
+        compilation["cudagraph_mode"] = graph_mode
+    if capture_sizes:
+        compilation["cudagraph_capture_sizes"] = list(capture_sizes)
+    if compilation:
+        kw["compilation_config"] = compilation
     if shard or cp_kv is not None:
         kw["additional_config"] = {"cp_kv": {"enable": True, **(cp_kv or {})}}
     if kv_role:

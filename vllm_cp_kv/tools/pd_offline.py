@@ -92,6 +92,7 @@ def _llm(a, role: str):
             kw.update(tp=1, pcp=a.prefill_pcp)
         if role == "decode" and not a.decode_prefix_caching:
             kw["enable_prefix_caching"] = False
+        kw["eager"] = not a.cuda_graphs  # every instance: vLLM's CUDA graphs or none
     elif not a.cpu_rope_kernel:
         # vLLM 0.32's CPU rotary kernel (torch.ops._C.rotary_embedding) is wrong
         # on MLA's inputs: it rotates q[..., nope:] ([T, H, 64], a strided view)
@@ -380,6 +381,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="exit 1 unless every check holds (see pd_result.json 'checks')")
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="GPU: every instance in vLLM's default CUDA-graph mode")
     a = ap.parse_args(argv)
     gpu = a.device == "cuda"
     a.prefill_tp = a.prefill_tp or (1 if gpu else 2)

@@ -1,26 +1,32 @@
 """The one-GPU harness: several real vLLM 0.32 ranks on ONE GPU, and the
 verification shims the GPU and CPU checks share. Not part of the package.
 
-NCCL refuses two ranks on one device (``Duplicate GPU detected``); gloo
-collectives take CUDA tensors (staged through host memory), so with the
-patches below vLLM runs TP=2/4 and PCP=2 on the one lent H200, eager only
-(a gloo collective cannot be captured in a CUDA graph; timings mean nothing,
-answers do). Every patch is applied right after vLLM imports the module that
-defines its target (an import hook), in every process, and only when its
-switch is set:
+NCCL refuses two ranks on one device only when they share the host hash
+AND the bus id; the host hash comes from ``NCCL_HOSTID`` when it is set. So
+with a distinct ``NCCL_HOSTID`` per rank (NET/Socket over loopback) vLLM's
+own ``CudaCommunicator``/PyNccl runs unchanged and its collectives can be
+captured in CUDA graphs: ``ONEGPU_COMM=nccl`` (the default of
+``benchmarks/gpu_onegpu.py``), vLLM's default mode with graphs on, exact
+but slow (about 5 ms a collective with 2 ranks, 27 ms with 4). Without it the
+groups run on gloo (``ONEGPU_COMM=gloo``) or shared host memory
+(``ONEGPU_COMM=shm``), eager only (neither can be captured). Every patch is
+applied right after vLLM imports the module that defines its target (an
+import hook), in every process, and only when its switch is set:
 
 =====  ===========================================  ======================  ==========================
 no.    target (vLLM 0.32)                           change                  switch
 =====  ===========================================  ======================  ==========================
-1      ``CudaPlatformBase.dist_backend``            "nccl" -> "gloo"        ``ONEGPU=1``
-2      ``CudaPlatformBase.get_device_communicator`` :class:`OneGPUComm`     ``ONEGPU=1``
+1      ``CudaPlatformBase.dist_backend``            "nccl" -> "gloo"        ``ONEGPU=1``, not nccl
+2      ``CudaPlatformBase.get_device_communicator`` :class:`OneGPUComm`     ``ONEGPU=1``, not nccl
        ``_cls``
 3      ``CudaPlatformBase.use_custom_allreduce``    False                   ``ONEGPU=1``
 4      ``EngineArgs._resolve_device_ids``           ``[0] * world``         ``ONEGPU=1``
 5      ``EngineArgs.create_engine_config``          executor "mp", no       ``ONEGPU=1``
                                                     custom all-reduce
 6      ``gpu_worker.Worker.init_device``            the same device map if  ``ONEGPU=1``
-                                                    the config lacks it
+                                                    the config lacks it;
+                                                    nccl: ``NCCL_HOSTID``
+                                                    per rank
 7      ``CpuPlatform.get_device_communicator_cls``  :class:`OneGPUComm`     ``ONEGPU_CPU_COMM=1``
 8      ``MLACommonMetadataBuilder`` (class attrs)   decode threshold K,     ``CPKV_SHIM_DECODE_``
        and ``vllm_cp_kv...decode.decode_threshold`` VARLEN; the plugin     ``THRESHOLD=K``
@@ -33,14 +39,18 @@ no.    target (vLLM 0.32)                           change                  swit
 
 Why:
 
-1-3. Every group (world, TP, PCP, DCP) on gloo, through torch.distributed,
-     instead of PyNccl, custom all-reduce and symmetric memory, which need
-     one device per rank; with ``ONEGPU_COMM=shm`` as well, the all-reduces,
-     all-gathers and reduce-scatters through shared host memory
-     (:mod:`shm_comm`: timings then stop being mostly gloo's).
+1-3. gloo and shm: every group (world, TP, PCP, DCP) on gloo, through
+     torch.distributed, instead of PyNccl, custom all-reduce and symmetric
+     memory, which need one device per rank; with ``ONEGPU_COMM=shm`` the
+     all-reduces, all-gathers and reduce-scatters through shared host memory
+     (:mod:`shm_comm`: timings then stop being mostly gloo's). nccl: only
+     custom all-reduce off (it needs one device per rank).
 4-6. vLLM maps local ranks to physical GPUs and forbids duplicates; here
      every rank maps to GPU 0, so the worker and ``GroupCoordinator`` both
-     pick ``cuda:0``. The explicit "mp" executor skips ParallelConfig's
+     pick ``cuda:0``. nccl: before vLLM's first NCCL call each worker sets
+     ``NCCL_HOSTID=onegpu-rank<rank>`` (read once per process) and NCCL's
+     socket transport over loopback; vLLM's DCP symmetric-memory and direct
+     all-to-all paths are off (they cannot rendezvous on one device). The explicit "mp" executor skips ParallelConfig's
      "world size larger than the number of GPUs" check. The driver sets
      ``kv_cache_memory_bytes`` per rank (no memory profiling: ranks that
      share the GPU would count each other's allocations).
@@ -186,12 +196,23 @@ def __getattr__(name):  # vLLM resolves COMM by qualified name
     raise AttributeError(name)
 
 
+def nccl_mode() -> bool:
+    return os.environ.get("ONEGPU_COMM", "gloo") == "nccl"
+
+
 # -- 1-3 ----------------------------------------------------------------------
 def patch_platform_cuda(m) -> None:
     base = m.CudaPlatformBase
+    base.use_custom_allreduce = classmethod(lambda cls: False)
+    if nccl_mode():  # vLLM's own NCCL groups and CudaCommunicator (capturable)
+        return
     base.dist_backend = "gloo"
     base.get_device_communicator_cls = classmethod(lambda cls: COMM)
-    base.use_custom_allreduce = classmethod(lambda cls: False)
+
+
+NCCL_ENV = (("NCCL_SOCKET_IFNAME", "lo"), ("NCCL_IB_DISABLE", "1"), ("NCCL_NET", "Socket"),
+            ("NCCL_NVLS_ENABLE", "0"), ("VLLM_USE_DIRECT_DCP_A2A", "0"),
+            ("VLLM_USE_DIRECT_DCP_Q_GATHER", "0"), ("VLLM_USE_DIRECT_DCP_KV_GATHER", "0"))
 
 
 # -- 4-5 ----------------------------------------------------------------------
@@ -219,6 +240,12 @@ def patch_gpu_worker(m) -> None:
 
     @functools.wraps(orig)
     def init_device(self):
+        if nccl_mode():
+            # NCCL refuses two ranks with the same host hash AND bus id; a
+            # distinct NCCL_HOSTID per rank makes them separate "nodes"
+            os.environ["NCCL_HOSTID"] = f"onegpu-rank{self.rank}"
+            for k, v in NCCL_ENV:
+                os.environ.setdefault(k, v)
         pc = self.parallel_config
         if pc.assigned_physical_gpu_ids is None:
             pc.assigned_physical_gpu_ids = [0] * pc.world_size
