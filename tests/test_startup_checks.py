@@ -148,10 +148,33 @@ def test_row_cuda_graphs(tiny_dsv2, dsv32_model, monkeypatch):
                           compilation_config={"cudagraph_mode": mode} if mode else {})
         check_engine_args(args, CPKVOptions(enable=True))
         assert args.decode_context_parallel_size == 2
-    for model, options in ((tiny_dsv2, CPKVOptions(enable=True, decode="materialize")),
-                           (dsv32_model, CPKVOptions(enable=True))):
-        args = EngineArgs(model=model, tensor_parallel_size=2, enforce_eager=False)
-        check_engine_args(args, options)
+    args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=2, enforce_eager=False)
+    check_engine_args(args, CPKVOptions(enable=True, decode="materialize"))
+
+
+def test_row_sparse_graphs(dsv32_model, monkeypatch):
+    monkeypatch.setattr(checks_module(), "_on_gpu", lambda: True)
+    expect_row("sparse-graphs", dsv32_model, enforce_eager=False)
+    config(dsv32_model, enforce_eager=True)  # eager: admitted (as far as the plugin goes)
+
+
+def test_row_spec_pcp_graphs(tiny_dsv2, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_cp_kv.integration.checks import check_engine_args
+    from vllm_cp_kv.integration.options import CPKVOptions
+
+    monkeypatch.setattr(checks_module(), "_on_gpu", lambda: True)
+    mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=1, enforce_eager=False,
+                      prefill_context_parallel_size=2, speculative_config=mtp)
+    with pytest.raises(ValueError) as info:
+        check_engine_args(args, CPKVOptions(enable=True))
+    assert any(m in str(info.value) for m in DOC["spec-pcp-graphs"])
+    for eager, tp, pcp in ((True, 1, 2), (False, 2, 1)):  # eager PCP, or graphs over TP
+        args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=tp, enforce_eager=eager,
+                          prefill_context_parallel_size=pcp, speculative_config=mtp)
+        check_engine_args(args, CPKVOptions(enable=True))
 
 
 def test_materializing_builders_decline_full_graphs(tiny_dsv2):

@@ -92,11 +92,25 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             "Remove --cp-kv-cache-interleave-size (cp_kv sets it).")
     if args.speculative_config:
         check_speculative(args.speculative_config)
+        if _on_gpu() and not args.enforce_eager and pcp > 1:
+            raise CPKVConfigError(
+                "cp_kv: speculative decoding under PCP with CUDA graphs has not been "
+                "verified with sharded KV (over TP it has); add --enforce-eager, or "
+                "remove --speculative-config.")
     check_hisparse(args.attention_config)
     # Before vLLM's own DCP validation, which would reject a non-MLA model
     # with a message that does not mention cp_kv.
     model_config = args.create_model_config()
     check_model(model_config)
+    if _on_gpu() and not args.enforce_eager and \
+            getattr(model_config.hf_text_config, "index_topk", None):
+        # vLLM would run it PIECEWISE (the sharded builders declare no
+        # full-graph support), but no such run has been checked yet; under
+        # PCP vLLM 0.32 refuses graphs for sparse MLA itself
+        raise CPKVConfigError(
+            "cp_kv: CUDA graphs with a sparse-attention (DeepSeek-V3.2) model and "
+            "sharded KV have not been verified (its decode reads a full view "
+            "planned per batch); add --enforce-eager or disable cp_kv.")
     if options.prefetch and getattr(model_config.hf_text_config, "index_topk", None):
         raise CPKVConfigError(
             "cp_kv: prefetch is for dense MLA models; a sparse-attention model reads "
