@@ -75,6 +75,65 @@ def _written(worker):
     return out
 
 
+def _count_collectives(worker):
+    """Count, per engine step, the bytes of the other ranks' data this rank
+    takes in through its groups' collectives: the TP group's (and the shard
+    group's, where another) communicator, wrapped where every CPU
+    collective of vLLM and of the plugin passes (``dist_module``: vLLM's
+    shared-memory or torch.distributed operations). Independent of the
+    plugin's own counters; each step is recorded with whether it was a pure
+    decode step (one scheduled token per request) and its request count."""
+    from vllm.distributed import parallel_state as ps
+
+    state = worker.__dict__.setdefault("cp_kv_collectives", {"now": 0, "steps": []})
+    wrapped = set()
+    for get in (ps.get_tp_group, ps.get_dcp_group):
+        group = get()
+        comm = group.device_communicator
+        module = getattr(comm, "dist_module", None)
+        if module is None or id(module) in wrapped:
+            continue
+        wrapped.add(id(module))
+        others = group.world_size - 1
+
+        def counted(fn, size_of):
+            def run(*args, **kwargs):
+                state["now"] += size_of(*args, **kwargs)
+                return fn(*args, **kwargs)
+            return run
+
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        module.all_reduce = counted(module.all_reduce, lambda t, **k: others * nbytes(t))
+        module.all_gather_into_tensor = counted(
+            module.all_gather_into_tensor, lambda out, inp, **k: nbytes(out) - nbytes(inp))
+        module.gather = counted(module.gather, lambda t, *a, **k: others * nbytes(t))
+    orig = worker.execute_model
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        counts = list(scheduler_output.num_scheduled_tokens.values())
+        state["now"] = 0
+        out = orig(scheduler_output, *args, **kwargs)
+        if counts:
+            state["steps"].append([state["now"], len(counts), all(n == 1 for n in counts)])
+        return out
+
+    if not getattr(orig, "_cp_kv_counting", False):
+        execute_model._cp_kv_counting = True
+        worker.execute_model = execute_model
+    return sorted(wrapped) != []
+
+
+def _collective_steps(worker, reset: bool = False):
+    """``[bytes, requests, pure decode]`` per step since the last reset."""
+    state = worker.__dict__.get("cp_kv_collectives")
+    if state is None:
+        return None
+    steps = list(state["steps"])
+    if reset:
+        state["steps"].clear()
+    return steps
+
+
 def _install_indexer_dump(worker, path):
     """Save what the first sparse layer reads, for request 0 (run with one
     prompt): at the first prefill step, the indexer's top-k positions; at
@@ -261,6 +320,8 @@ def run(a) -> dict:
         llm.collective_rpc(_install_indexer_dump, args=(a.dump_indexer,))
     if a.poison:
         llm.collective_rpc(_poison)
+    if a.count_collectives:
+        res["collectives_counted"] = llm.collective_rpc(_count_collectives)
     if a.corrupt_after_prefill:
         engine = llm.llm_engine
         for i, p in enumerate(texts):
@@ -279,11 +340,15 @@ def run(a) -> dict:
         for phase in phases:
             if a.stats:
                 llm.collective_rpc("cp_kv_stats", kwargs={"reset": True})
+            if a.count_collectives:
+                llm.collective_rpc(_collective_steps, kwargs={"reset": True})
             before = spec_decode_counters(llm) if a.spec else None
             outs = llm.generate(phase, sp)
             res["phases"].append(summarize(outs))
             if a.stats:
                 res["phases"][-1]["stats"] = llm.collective_rpc("cp_kv_stats")
+            if a.count_collectives:
+                res["phases"][-1]["collectives"] = llm.collective_rpc(_collective_steps)
             if a.spec:  # this phase's drafts, as run_waves counts prefix hits
                 after = spec_decode_counters(llm)
                 res["phases"][-1]["spec_decode"] = {
@@ -438,6 +503,8 @@ def main() -> None:
     ap.add_argument("--graph-mode", default=None,
                     help="GPU: CUDA graphs in this cudagraph_mode (e.g. FULL_DECODE_ONLY)")
     ap.add_argument("--capture-sizes", default=None, help="e.g. 1,2,4,8")
+    ap.add_argument("--count-collectives", action="store_true",
+                    help="bytes through each worker's collectives, per step (CPU)")
     ap.add_argument("--time-decode", type=int, default=0,
                     help="after the run: seconds per decode step over this many steps")
     ap.add_argument("--dcp", type=int, default=1, help="vLLM's own DCP (no plugin)")

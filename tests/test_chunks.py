@@ -102,8 +102,8 @@ def test_debug_check_covers_chunks():
     debug.check_chunks_cover(chunks, table, lens)
     first, tokens, plan = chunks[1].first_blocks, chunks[1].num_tokens, chunks[1].plan
     # negative control: drop a chunk, or claim a chunk reads from block 0
-    with pytest.raises(AssertionError, match="read"):
+    with pytest.raises(debug.CPKVInvariantError, match="read"):
         debug.check_chunks_cover(chunks[:1] + chunks[2:], table, lens)
     shifted = type(chunks[1])(torch.zeros_like(first), tokens, plan)
-    with pytest.raises(AssertionError):
+    with pytest.raises(debug.CPKVInvariantError):
         debug.check_chunks_cover([chunks[0], shifted] + chunks[2:], table, lens)

@@ -1,12 +1,17 @@
-"""The registry of vLLM rebindings (``integration/plugin.py``) against the
-installed vLLM: every target resolves (``vllm-cp-kv compat``), a target
-that moved is reported, and the module's table lists every item."""
+"""Every private vLLM name the package touches (``integration/vllm_api.py``'s
+``REGISTRY``) against the installed vLLM: every target resolves
+(``vllm-cp-kv compat``); a moved target, a renamed method and a renamed
+keyword argument are reported; the module's table lists every item; and
+the package's imports run one way (no circle; nothing imports the
+installer ``plugin.py``)."""
 
+import ast
+import os
 import re
 import subprocess
 import sys
 
-from conftest import needs_vllm
+from conftest import ROOT, needs_vllm
 
 pytestmark = needs_vllm
 
@@ -20,7 +25,7 @@ def test_every_registry_target_resolves_in_the_installed_vllm():
 
 
 def test_a_moved_target_a_renamed_parameter_and_a_dropped_field_are_reported():
-    from vllm_cp_kv.integration.plugin import Rebinding
+    from vllm_cp_kv.integration.vllm_api import Rebinding
     from vllm_cp_kv.tools.compat import check_item
 
     moved = check_item(Rebinding(90, ("vllm.v1.attention.selector:_cached_get_attn_backend",
@@ -42,18 +47,136 @@ def test_a_moved_target_a_renamed_parameter_and_a_dropped_field_are_reported():
     assert compared and "dcp_world_size" in compared[0]
 
 
-def test_the_plugin_docstring_table_lists_every_registry_item():
-    from vllm_cp_kv.integration import plugin
+def test_a_renamed_method_and_a_renamed_keyword_of_vllm_are_reported(monkeypatch):
+    """What an upgrade of vLLM could do to the names the plugin overrides and
+    calls: ``_compute_prefill_context`` renamed (the sharded impl's override
+    would silently stop being called) and a keyword of ``_build_decode``
+    renamed (the shard-aware decode's call would fail, or pass a keyword
+    vLLM no longer reads). Both are reported by the registry's items."""
+    from vllm.model_executor.layers.attention import mla_attention as mla
 
-    rules = [i for i, line in enumerate(plugin.__doc__.splitlines())
-             if line.startswith("=====")]
-    table = "\n".join(plugin.__doc__.splitlines()[rules[1] + 1: rules[2]])
+    from vllm_cp_kv.tools.compat import check_all
+
+    impl, builder = mla.MLACommonBaseImpl, mla.MLACommonMetadataBuilder
+    monkeypatch.setattr(impl, "_compute_context_chunks", impl._compute_prefill_context,
+                        raising=False)
+    monkeypatch.delattr(impl, "_compute_prefill_context")
+
+    def _build_decode(self, block_table_tensor, seq_lens, max_seq_len, query_start_loc_cpu,
+                      query_start_loc_device, num_decode_tokens, max_query_len,
+                      dcp_tot_seq_lens_device):
+        return None
+
+    monkeypatch.setattr(builder, "_build_decode", _build_decode)
+    report = check_all()
+    assert any("_compute_prefill_context" in p for p in report[16]), report[16]
+    assert any("seq_lens_device" in p for p in report[17]), report[17]
+    assert all(not p for no, p in report.items() if no not in (16, 17))
+
+
+def test_the_api_table_lists_every_registry_item():
+    from vllm_cp_kv.integration import vllm_api
+
+    lines = vllm_api.__doc__.splitlines()
+    rules = [i for i, line in enumerate(lines) if line.startswith("=====")]
+    table = "\n".join(lines[rules[1] + 1: rules[2]])
     numbers = [int(n) for n in re.findall(r"^(\d+)\s", table, re.M)]
-    assert numbers == [item.no for item in plugin.REGISTRY]
+    assert numbers == [item.no for item in vllm_api.REGISTRY]
 
 
 def test_the_command_line_reports_every_item_ok():
+    from vllm_cp_kv.integration.vllm_api import REGISTRY
+
     out = subprocess.run([sys.executable, "-m", "vllm_cp_kv.tools.cli", "compat"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count(": ok") == 15
+    assert out.stdout.count(": ok") == len(REGISTRY) == 24
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (at the top or inside a
+    function), read from the source."""
+    root = os.path.join(ROOT, "vllm_cp_kv")
+    mods = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                name = os.path.relpath(path[:-3], ROOT).replace(os.sep, ".")
+                mods[name.removesuffix(".__init__")] = path
+    edges = {}
+    for name, path in mods.items():
+        package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+        found = set()
+        tree = ast.parse(open(path).read())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and getattr(block.test, "id", "") == "TYPE_CHECKING"
+                       for n in ast.walk(block)}  # annotations, never run
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] \
+                    if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                names = [target] + [f"{target}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            found |= {n for n in names if n in mods and n != name
+                      and n not in ("vllm_cp_kv", "vllm_cp_kv.integration")}
+        edges[name] = found
+    return edges
+
+
+def cycles(edges) -> list[list[str]]:
+    """Strongly connected components of more than one module."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_package_imports_run_one_way():
+    edges = package_imports()
+    assert cycles(edges) == []
+    # nothing imports the installer but the entry point (vllm_cp_kv.register);
+    # the vLLM API module imports nothing of the package
+    assert [m for m, e in edges.items()
+            if "vllm_cp_kv.integration.plugin" in e] == ["vllm_cp_kv"]
+    assert edges["vllm_cp_kv.integration.vllm_api"] <= set()
+    # the vLLM-independent core imports nothing of the integration layer
+    assert all(not any(t.startswith("vllm_cp_kv.integration") for t in e)
+               for m, e in edges.items() if m.startswith("vllm_cp_kv.core"))
+
+
+def test_the_import_check_finds_a_circle():
+    """Negative control: a made-up back edge from the planning module to the
+    decode module (which imports it) is a circle."""
+    edges = package_imports()
+    edges["vllm_cp_kv.integration.planning"].add("vllm_cp_kv.integration.decode")
+    assert ["vllm_cp_kv.integration.decode", "vllm_cp_kv.integration.planning"] in cycles(edges)

@@ -179,9 +179,9 @@ def test_debug_check_allows_the_kernel_error_twice_and_no_layout_error():
     kernel = ref + 0.1  # vLLM's kernel off by 0.1
     err, inner = core_debug.check_decode_merge(ref + 0.15, ref, spec, kernel)
     assert abs(err - 0.15) < 1e-5 and abs(inner - 0.1) < 1e-5
-    with pytest.raises(AssertionError, match="shard-aware decode differs"):
+    with pytest.raises(core_debug.CPKVInvariantError, match="shard-aware decode differs"):
         core_debug.check_decode_merge(ref + 0.15, ref, spec)  # no kernel: 0.15 > 8 eps
-    with pytest.raises(AssertionError, match="vLLM's kernel on that view"):
+    with pytest.raises(core_debug.CPKVInvariantError, match="vLLM's kernel on that view"):
         core_debug.check_decode_merge(ref.roll(1, 0), ref, spec, kernel)  # other rows
 
 

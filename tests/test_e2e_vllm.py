@@ -11,8 +11,9 @@ wrong for MLA). The sharded run sets nothing but ``cp_kv.enable``:
   tokens, logprobs within 1e-4, for the shard-aware (LSE) decode and for
   the materializing decode; the debug switch on (its invariant checks and
   the LSE-merge-against-full-view check run and hold);
-* bytes the plugin counts per pure decode step: the same at both context
-  lengths with the LSE decode, growing with the context when materializing;
+* bytes that cross the workers' collectives per pure decode step (counted
+  on the collectives, not by the plugin): the same at both context lengths
+  with the LSE decode, growing with the context when materializing;
 * 1.95x the logical KV capacity; poisoned caches (a one-phase run, where no
   block is reused): each rank writes exactly the tokens it owns (counted
   from vLLM's slot-mapping kernel, transcribed);
@@ -61,11 +62,19 @@ def runs(held_out, tmp_path_factory):
                             env=KV, timeout=900),
         "on": run_generate(held_out, d, "on", *EXACT, *PHASES, "--shard",
                            "--stats", env=DEBUG, timeout=900),
+        # what crosses the collectives, without the debug checks (whose
+        # reference gathers a full view every step)
+        "on_bytes": run_generate(held_out, d, "on_bytes", *EXACT, *PHASES, "--shard",
+                                 "--stats", "--count-collectives", "--max-tokens",
+                                 str(MAT_NEW), env=KV, timeout=900),
         # the materializing decode: the same phases, fewer tokens (its identity
         # is on those tokens; its bytes per step are the same every step)
         "mat": run_generate(held_out, d, "mat", *EXACT, *PHASES, "--cp-kv",
                             '{"decode": "materialize"}', "--stats", "--max-tokens",
                             str(MAT_NEW), env=DEBUG, timeout=900),
+        "mat_bytes": run_generate(held_out, d, "mat_bytes", *EXACT, *PHASES, "--cp-kv",
+                                  '{"decode": "materialize"}', "--count-collectives",
+                                  "--max-tokens", str(MAT_NEW), env=KV, timeout=900),
         "plain": run_generate(held_out, d, "plain", *quick, "--torch-rope", "--no-plugin",
                               "--poison", env=KV),
         "corrupt": run_generate(held_out, d, "corrupt", *quick, "--shard", "--poison",
@@ -112,22 +121,33 @@ def test_materializing_decode_matches_unsharded(runs):
 
 
 def decode_bytes(run, phase):
-    """Bytes rank 0 received per pure decode step in one phase (all equal
-    while the batch holds all 8 requests)."""
-    steps = run["phases"][phase]["stats"][0]["decode_step_bytes"]
-    return steps[: MAT_NEW // 2]  # every request still running
+    """Bytes rank 0 took in through its collectives per pure decode step of
+    all 8 requests in one phase, counted on the collectives themselves
+    (harness/run_vllm.py ``--count-collectives``: vLLM's all-reduces and
+    the plugin's exchanges alike), and the plugin's own count of the same
+    steps."""
+    steps = [b for b, reqs, decode in run["phases"][phase]["collectives"][0]
+             if decode and reqs == 8][: MAT_NEW // 2]
+    own = run["phases"][phase]["stats"][0]["decode_step_bytes"][: MAT_NEW // 2] \
+        if run["phases"][phase].get("stats") else None
+    return steps, own
 
 
 def test_decode_bytes_do_not_grow_with_the_context(runs):
-    lse_short, lse_long = decode_bytes(runs["on"], 0), decode_bytes(runs["on"], 1)
-    mat_short, mat_long = decode_bytes(runs["mat"], 0), decode_bytes(runs["mat"], 1)
-    # LSE: queries, partial outputs and LSEs only; same at 4x the context
+    (lse_short, own_short), (lse_long, own_long) = (decode_bytes(runs["on_bytes"], p)
+                                                     for p in (0, 1))
+    (mat_short, _), (mat_long, _) = (decode_bytes(runs["mat_bytes"], p) for p in (0, 1))
+    assert len(lse_short) == len(lse_long) == MAT_NEW // 2
+    # LSE: queries, partial outputs, LSEs and vLLM's own all-reduces: the same
+    # at 4x the context
     assert len(set(lse_short + lse_long)) == 1, (lse_short[:4], lse_long[:4])
-    # materializing: the context itself, 4x more at 4x the context
+    # materializing: the context itself, about 4x more at 4x the context
     assert min(mat_long) > 3 * max(mat_short)
     assert max(lse_long) * 10 < min(mat_long)
+    # the plugin's counter of its own exchange, constant too and part of it
+    assert len(set(own_short + own_long)) == 1 and own_short[0] < lse_short[0]
     with open(os.path.join(runs["dir"], "decode_bytes.json"), "w") as f:
-        json.dump({"lse": [lse_short[0], lse_long[0]],
+        json.dump({"lse": [lse_short[0], lse_long[0]], "lse_plugin_counter": own_short[0],
                    "materialize": [mat_short[0], mat_long[0]]}, f)
 
 

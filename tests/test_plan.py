@@ -102,7 +102,7 @@ def test_debug_checks_catch_a_stale_plan_and_bad_slots():
     plan = plan_materialization(spec(n), table, lens)
     other = table.clone()
     other[0, 0] = table[1, 0]
-    with pytest.raises(AssertionError, match="stale"):
+    with pytest.raises(debug.CPKVInvariantError, match="stale"):
         debug.check_plan_covers(plan, other, lens)
     qsl = torch.tensor([0, 50, 70])
     s = spec(n, rank=1)
@@ -110,5 +110,32 @@ def test_debug_checks_catch_a_stale_plan_and_bad_slots():
     debug.check_owned_writes(s, good, table, qsl, lens)
     bad = good.clone()
     bad[0] = 5  # position 0 is owned by rank 0, not rank 1
-    with pytest.raises(AssertionError, match="non-owned"):
+    with pytest.raises(debug.CPKVInvariantError, match="non-owned"):
         debug.check_owned_writes(s, bad, table, qsl, lens)
+
+
+def test_the_debug_checks_hold_under_python_O():
+    """``python -O`` drops ``assert`` statements; the debug checks raise their
+    named error all the same (a bad slot mapping, checked in a child
+    interpreter started with -O)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "assert False, 'asserts are on'\n"
+        "from vllm_cp_kv.core import debug\n"
+        "from vllm_cp_kv.core.ownership import CPShardSpec\n"
+        "s = CPShardSpec(rank=1, size=2, block_size=16)\n"
+        "table = torch.tensor([[3, 4]], dtype=torch.int32)\n"
+        "qsl, lens = torch.tensor([0, 40]), torch.tensor([40])\n"
+        "bad = debug.expected_slot_mapping(s, table, qsl, lens)\n"
+        "bad[0] = 5\n"
+        "try:\n"
+        "    debug.check_owned_writes(s, bad, table, qsl, lens)\n"
+        "except debug.CPKVInvariantError as e:\n"
+        "    print('raised', 'non-owned' in str(e))\n")
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "raised True"

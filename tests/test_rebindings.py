@@ -1,5 +1,5 @@
 """Scoped rebindings of vLLM internals that only GPU runs exercise for real
-(plugin.py's registry), checked here on their plumbing: item 11, TRITON_MLA's
+(vllm_api.py's registry), checked here on their plumbing: item 11, TRITON_MLA's
 decode writing a float32 LSE inside the block and vLLM's function restored
 after it. The kernel itself ran on one H200 (docs/gpu-testing.md): without
 this, the debug check failed by a bf16 LSE's error at 8K context."""
@@ -15,7 +15,7 @@ pytestmark = needs_vllm
 def test_triton_decode_writes_a_float32_lse_inside_the_block_only(monkeypatch):
     from vllm.v1.attention.backends.mla import triton_mla
 
-    from vllm_cp_kv.integration.plugin import float32_decode_lse
+    from vllm_cp_kv.integration.vllm_api import float32_decode_lse
 
     seen = []
 
@@ -36,7 +36,7 @@ def test_triton_decode_writes_a_float32_lse_inside_the_block_only(monkeypatch):
 def test_the_rebinding_is_undone_when_the_kernel_raises(monkeypatch):
     from vllm.v1.attention.backends.mla import triton_mla
 
-    from vllm_cp_kv.integration.plugin import float32_decode_lse
+    from vllm_cp_kv.integration.vllm_api import float32_decode_lse
 
     def kernel(*args, **kwargs):
         raise RuntimeError("kernel failed")

@@ -382,6 +382,41 @@ def test_last_token_gather_alone_keeps_vllms_layout(tiny_dsv2):
         check_engine_args(args, CPKVOptions(enable=True))  # CPU: no PCP sharding
 
 
+def test_row_amx_q_replicate(tiny_dsv2, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    expect_row("amx-q-replicate", tiny_dsv2, dcp_q_replicate=True)
+    # with CPU_MLA asked for, the flag is fine
+    config(tiny_dsv2, dcp_q_replicate=True, attention_config={"backend": "CPU_MLA"})
+
+
+def test_row_pd_sharded_decode(tiny_dsv2):
+    from vllm_cp_kv.tools.offline import kv_transfer_config
+
+    expect_row("pd-sharded-decode", tiny_dsv2,
+               kv_transfer_config=kv_transfer_config("kv_consumer"))
+    config(tiny_dsv2, kv_transfer_config=kv_transfer_config("kv_producer"))  # the prefill
+
+
+def test_row_scratch_cap():
+    """Checked where the worker sizes the scratch (engine start): the bound it
+    reserves against one request of max_model_len."""
+    from vllm_cp_kv.core.capacity import one_request_view_blocks, scratch_blocks_bound
+    from vllm_cp_kv.integration.checks import check_scratch_cap
+
+    one = one_request_view_blocks(shard_size=2, block_size=16, max_model_len=1000)
+    assert one == 64  # 63 logical blocks, 32 a rank, 2 ranks
+    for cap in (1, 63):  # rounds to 0 blocks; one short of a request
+        blocks = scratch_blocks_bound(
+            available_bytes=1 << 30, page_bytes=1152 * 16, num_layers=2, shard_size=2,
+            block_size=16, max_num_seqs=4, max_model_len=1000, cap_blocks=cap)
+        with pytest.raises(ValueError) as info:
+            check_scratch_cap(blocks, cap, one)
+        assert any(m in str(info.value) for m in DOC["scratch-cap"])
+    check_scratch_cap(64, 64, one)
+
+
 def test_query_replication_is_derived_on_cpu_except_with_amx(tiny_dsv2, monkeypatch):
     """CPU, TP shard group: vLLM's --dcp-q-replicate is turned on (the
     shard-aware decode then skips its query all-gather), unless the user set

@@ -93,7 +93,7 @@ def test_a_step_inside_a_step_is_the_same_step_and_dummy_runs_are_not_counted():
 
 
 def test_the_forward_context_finds_the_steps_padding_through_the_metadata():
-    from vllm_cp_kv.integration import plugin
+    from vllm_cp_kv.integration import worker_patches as plugin
 
     local, gathered = torch.zeros(4, dtype=torch.bool), torch.ones(8, dtype=torch.bool)
     batch = SimpleNamespace(padding=(local, gathered))
@@ -113,7 +113,7 @@ def test_a_chained_draft_step_under_pcp_drops_the_split_and_its_padding(pcp_mana
     split and its padding is the global mask repeated per rank. Negative
     control: without ``replicated`` the stale split stays and the draft
     step's forward is refused (its mask has the global batch's length)."""
-    from vllm_cp_kv.integration import plugin
+    from vllm_cp_kv.integration import worker_patches as plugin
 
     mgr, runtime = pcp_manager
     seen = []

@@ -45,6 +45,14 @@ def workspace_blocks(*, available_bytes: int, page_bytes: int, shard_size: int,
     return max(blocks, shard_size)
 
 
+def one_request_view_blocks(*, shard_size: int, block_size: int, max_model_len: int) -> int:
+    """Scratch blocks the whole view of one request of ``max_model_len``
+    tokens needs (``shard_size`` ranks' worth of its padded per-rank
+    list): the least a whole-view scratch can hold and still serve every
+    request."""
+    return shard_size * -(-(-(-max_model_len // block_size)) // shard_size)
+
+
 def scratch_blocks_bound(*, available_bytes: int, page_bytes: int,
                          num_layers: int, shard_size: int, block_size: int,
                          max_num_seqs: int, max_model_len: int,

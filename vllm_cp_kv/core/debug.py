@@ -1,8 +1,10 @@
 """Syncing invariant checks, run only with ``VLLM_CP_KV_DEBUG=1``.
 
-Each check raises ``AssertionError`` with the numbers and the likely
-culprit. They copy tensors to the host and (for the plan check) talk to the
-other ranks, so they are off for performance runs.
+Each check raises :class:`CPKVInvariantError` with the numbers and the
+likely culprit, whatever the interpreter's flags (``python -O`` drops
+``assert`` statements, not these). They copy tensors to the host and (for
+the plan check) talk to the other ranks, so they are off for performance
+runs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,16 @@ import torch
 
 from .ownership import CPShardSpec, owned_slot_mapping
 from .plan import MaterializationPlan
+
+
+class CPKVInvariantError(AssertionError):
+    """A debug invariant of the sharded layout does not hold (an
+    ``AssertionError`` subclass: callers that caught those still do)."""
+
+
+def _require(ok: bool, message) -> None:
+    if not ok:
+        raise CPKVInvariantError(message() if callable(message) else message)
 
 
 def expected_slot_mapping(spec: CPShardSpec, block_table: torch.Tensor,
@@ -41,11 +53,11 @@ def check_owned_writes(spec: CPShardSpec, slot_mapping: torch.Tensor,
     want = expected_slot_mapping(spec, block_table, query_start_loc, seq_lens)
     got = slot_mapping.cpu().long()[: want.numel()]
     bad = (got != want).nonzero().flatten()
-    assert bad.numel() == 0, (
+    _require(bad.numel() == 0, lambda: (
         f"rank {spec.rank}/{spec.size}: slot mapping writes non-owned or wrong "
         f"slots at token(s) {bad[:8].tolist()}: got {got[bad[:8]].tolist()}, "
         f"want {want[bad[:8]].tolist()}. The slot-mapping kernel's interleave "
-        f"size is probably not the block size ({spec.block_size}).")
+        f"size is probably not the block size ({spec.block_size})."))
 
 
 def check_plan_covers(plan: MaterializationPlan, block_table: torch.Tensor,
@@ -66,12 +78,12 @@ def check_plan_covers(plan: MaterializationPlan, block_table: torch.Tensor,
             rank, k = divmod(idx, per_rank)
             owner = spec.owner_of(j)
             want = int(table[i, spec.table_index(j)])
-            assert rank == owner and k < int(counts[rank]) and \
-                int(send[rank, k]) == want, (
-                    f"request {i} logical block {j}: scratch block {idx} holds "
-                    f"rank {rank}'s block {int(send[rank, k])}, want rank "
-                    f"{owner}'s block {want}. The plan is stale or was "
-                    "built from another block table.")
+            _require(rank == owner and k < int(counts[rank]) and
+                     int(send[rank, k]) == want, lambda: (
+                         f"request {i} logical block {j}: scratch block {idx} holds "
+                         f"rank {rank}'s block {int(send[rank, k])}, want rank "
+                         f"{owner}'s block {want}. The plan is stale or was "
+                         "built from another block table."))
 
 
 def check_chunks_cover(chunks: list, block_table: torch.Tensor,
@@ -83,15 +95,15 @@ def check_chunks_cover(chunks: list, block_table: torch.Tensor,
     for k, c in enumerate(chunks):
         for i, (first, n) in enumerate(zip(c.first_blocks.tolist(), c.num_tokens.tolist())):
             if n:
-                assert first * bs == pos[i], (
+                _require(first * bs == pos[i], lambda: (
                     f"chunk {k} reads request {i} from token {first * bs}, but "
-                    f"the chunks before it read up to {pos[i]}.")
+                    f"the chunks before it read up to {pos[i]}."))
                 pos[i] += n
         ends = torch.where(c.num_tokens > 0, c.first_blocks * bs + c.num_tokens, 0)
         check_plan_covers(c.plan, block_table, ends, c.first_blocks)
     want = read_lens.cpu().tolist()
-    assert pos == want, (f"the chunks read {pos} tokens per request, the batch "
-                         f"must read {want}.")
+    _require(pos == want, lambda: (f"the chunks read {pos} tokens per request, the "
+                                   f"batch must read {want}."))
 
 
 def plan_fingerprint(plan: MaterializationPlan) -> torch.Tensor:
@@ -112,10 +124,10 @@ def check_plan_identical(plan: MaterializationPlan, cpu_group) -> None:
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=cpu_group)
     for r, other in enumerate(everyone):
-        assert torch.equal(other, mine), (
+        _require(torch.equal(other, mine), lambda: (
             f"rank {plan.spec.rank}: materialization plan differs from rank "
             f"{r} ({mine.tolist()} vs {other.tolist()}). Ranks were given "
-            "different block tables or sequence lengths.")
+            "different block tables or sequence lengths."))
 
 
 def check_decode_merge(merged: torch.Tensor, reference: torch.Tensor,
@@ -145,10 +157,10 @@ def check_decode_merge(merged: torch.Tensor, reference: torch.Tensor,
     if unsharded is not None:
         inner = float((unsharded.float() - want).abs().max()) if want.numel() else 0.0
         tol = max(tol, 2 * inner + 2 * eps * scale)
-    assert err <= tol, (
+    _require(err <= tol, lambda: (
         f"rank {spec.rank}/{spec.size}: shard-aware decode differs from "
         f"attention over the materialized full view by {err:.3g} (tolerance "
         f"{tol:.3g}; vLLM's kernel on that view: {inner}). A decode row's "
         "owned-token count or block table does not match the layout, or the "
-        "LSE merge is wrong.")
+        "LSE merge is wrong."))
     return err, inner

@@ -71,9 +71,10 @@ def gather_sampled_rows(plan: SampledRowsPlan, rank: int, world_size: int,
     Returns:
         ``[B, H]``, bitwise equal to the full gather's rows.
     """
-    assert local_hidden.shape[0] == plan.local_rows, (
-        f"local hidden states have {local_hidden.shape[0]} rows, the plan "
-        f"expects {plan.local_rows}; re-plan for this batch.")
+    if local_hidden.shape[0] != plan.local_rows:
+        raise ValueError(
+            f"local hidden states have {local_hidden.shape[0]} rows, the plan "
+            f"expects {plan.local_rows}; re-plan for this batch.")
     num_rows, hidden = plan.num_rows, local_hidden.shape[1]
     # Every rank sends its row for every b (rows it does not own are just
     # whatever it holds there); ``pick`` keeps the owner's copy. No masking,

@@ -90,8 +90,11 @@ def all_gather_into_fn(group=None) -> AllGatherFn:
 class ScratchPool:
     """A bounded scratch buffer reused by every layer of a step.
 
-    ``capacity_blocks`` is fixed at startup and its bytes are taken out of the
-    KV-cache budget, so materialization never allocates beyond it.
+    ``capacity_blocks`` is fixed at startup (at least one block per rank, and
+    for a whole-view scratch one request of ``max_model_len``: checked when
+    the worker sizes it) and its bytes are taken out of the KV-cache budget,
+    so materialization never allocates beyond it; a batch that would need
+    more raises (a chunked context plans chunks that fit instead).
     """
 
     def __init__(self, capacity_blocks: int):
@@ -147,7 +150,8 @@ class LayerPrefetcher:
 
     def __init__(self, rank: int, all_gather_into: AllGatherFn,
                  buffers: list[torch.Tensor], stream: "torch.cuda.Stream | None" = None):
-        assert len(buffers) == 2, "double buffering needs two buffers"
+        if len(buffers) != 2:
+            raise ValueError(f"double buffering needs two buffers, got {len(buffers)}")
         self.rank, self.all_gather_into = rank, all_gather_into
         self.buffers = buffers
         self.stream = stream or torch.cuda.Stream(device=buffers[0].device)

@@ -33,7 +33,7 @@ from functools import cache
 
 import torch
 
-from . import decode, plugin
+from . import decode, vllm_api
 from .geometry import group_size_of
 from .options import debug_enabled, options_of
 from ..core.decode import merge_two_by_lse
@@ -87,7 +87,7 @@ class ShardedBuilder:
     cp_kv_sparse: bool
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs):
-        with plugin.unsharded_view(vllm_config):
+        with vllm_api.unsharded_view(vllm_config):
             super().__init__(kv_cache_spec, layer_names, vllm_config, device,
                              *args, **kwargs)
         name = self.cp_kv_inner.get_name()
@@ -101,10 +101,9 @@ class ShardedBuilder:
         parallel = vllm_config.parallel_config
         self.cp_kv_decode_ranks = group_size_of(vllm_config) \
             if parallel.prefill_context_parallel_size == 1 else 1
-        if self.cp_kv_lse_decode and hasattr(self, "_reserve_attn_logits_workspace"):
-            # TRITON_MLA sizes its split-KV workspace for the layer's heads
-            with plugin.builder_heads_of(self, self.cp_kv_decode_ranks):
-                self._reserve_attn_logits_workspace()
+        if self.cp_kv_lse_decode:  # TRITON_MLA: its split-KV workspace for all heads
+            with vllm_api.builder_heads_of(self, self.cp_kv_decode_ranks):
+                vllm_api.reserve_decode_workspace(self, name)
         # debug: vLLM's own decode kernel on the full view, for comparison
         self.cp_kv_kernel_check = debug_enabled() and name in KERNEL_CHECK_BACKENDS
         self.cp_kv_chunked = chunked_context_enabled(vllm_config, name, self.cp_kv_sparse)
@@ -136,7 +135,7 @@ class ShardedBuilder:
                 and made.amx is None:
             made.amx = decode.build_local_amx(made.decode, self.kv_cache_spec.block_size)
         if made.decode is not None and self.cp_kv_kernel_check:
-            made.build_decode = self._build_decode  # vLLM's kernel on a view
+            made.decode_builder = self  # debug: vLLM's kernel on a view
         metadata.cp_kv = made
         return metadata
 
@@ -206,7 +205,7 @@ class ShardedImpl:
 
     cp_kv_sharded = True  # the layer reads a full view or merges itself
     cp_kv_backend = ""  # the inner backend's name (set per subclass)
-    cp_kv_lse_context = staticmethod(_kernel_lse)  # plugin.float32_decode_lse where needed
+    cp_kv_lse_context = staticmethod(_kernel_lse)  # vllm_api.float32_decode_lse where needed
 
     def __init__(self, *args, **kwargs):
         from vllm.config import get_current_vllm_config
@@ -219,9 +218,9 @@ class ShardedImpl:
                 "cp_kv: --dcp-q-replicate does not work with the AMX_MLA backend in vLLM "
                 "0.32 (its query absorption uses packed weights of the rank's own heads); "
                 "remove the flag or use --attention-backend CPU_MLA.")
-        with plugin.unsharded_view(config):
+        with vllm_api.unsharded_view(config):
             super().__init__(*args, **kwargs)
-        plugin.impl_reports_unsharded(self)  # see the module docstring
+        vllm_api.impl_reports_unsharded(self)  # see the module docstring
         self.cp_kv_layer: str | None = None  # bound by the worker
 
     def cp_kv_bind(self, layer_name: str) -> None:
@@ -298,7 +297,7 @@ def sharded_backend(inner: type) -> type:
                    {"cp_kv_inner": inner, "cp_kv_sparse": sparse})
     impl_attrs = {"cp_kv_backend": name, "cp_kv_sparse": sparse}
     if name in FLOAT32_LSE_BACKENDS:
-        impl_attrs["cp_kv_lse_context"] = staticmethod(plugin.float32_decode_lse)
+        impl_attrs["cp_kv_lse_context"] = staticmethod(vllm_api.float32_decode_lse)
     impl = type(f"ShardedKVImpl_{name}", (ShardedImpl, inner.get_impl_cls()), impl_attrs)
     return type(f"ShardedKVBackend_{name}", (inner,), {
         "get_impl_cls": staticmethod(lambda: impl),

@@ -117,6 +117,7 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             "this step's tokens through its view (the indexer too), which the prefetch "
             "would read stale. Remove cp_kv.prefetch.")
     args.decode_context_parallel_size = size
+    check_decode_connector(args.kv_transfer_config, size)
     if not _on_gpu():
         derive_torch_rope(args.compilation_config)
         derive_query_replication(args, pcp, options)
@@ -147,12 +148,51 @@ def derive_query_replication(args, pcp: int, options: CPKVOptions) -> None:
     Not with AMX_MLA, whose query absorption uses its own packed weights of
     the rank's heads only (vLLM 0.32); not on GPU, where the collective is
     cheap and the replicated query projection costs memory (pass the flag)."""
+    if args.dcp_q_replicate and _amx_mla_chosen(args):
+        raise CPKVConfigError(
+            "cp_kv: --dcp-q-replicate does not work with the AMX_MLA backend in vLLM "
+            "0.32 (its query absorption uses packed weights of the rank's own heads); "
+            "remove the flag or use --attention-backend CPU_MLA.")
     if getattr(args, "dcp_q_replicate", None) is not None or pcp > 1 or \
             options.decode != "lse":  # a materializing decode gathers no queries
         return
     if _amx_mla_chosen(args):
         return
     args.dcp_q_replicate = True
+
+
+def check_scratch_cap(blocks: int, cap: int, one_request: int) -> None:
+    """A whole-view scratch (sparse models, ``decode: materialize``, PCP,
+    AMX_MLA) must hold at least one request of ``max_model_len`` tokens;
+    checked when the worker sizes it (engine start), so that a
+    ``cp_kv.max_scratch_blocks`` cap too small fails there with what to
+    change, not in a later batch."""
+    if blocks < one_request:
+        raise CPKVConfigError(
+            f"cp_kv: the scratch full view holds {blocks} blocks (cp_kv."
+            f"max_scratch_blocks={cap}), fewer than one request of max_model_len "
+            f"needs ({one_request}); raise cp_kv.max_scratch_blocks (or set it to 0), "
+            "or lower --max-model-len.")
+
+
+CONNECTOR = "ShardedKVConnector"
+
+
+def check_decode_connector(kv_transfer_config, size: int) -> None:
+    """The cp_kv connector's decode side (``kv_consumer``) runs unsharded:
+    a prefill rank sends its owned blocks and every decode TP rank reads them
+    all; a sharded decode would need each rank to pull only the blocks it
+    owns (not built yet)."""
+    kv = kv_transfer_config
+    get = kv.get if isinstance(kv, dict) else (lambda k, d=None: getattr(kv, k, d))
+    if kv is None or get("kv_connector") != CONNECTOR:
+        return
+    if get("kv_role") in ("kv_consumer", "kv_both"):
+        raise CPKVConfigError(
+            f"cp_kv: a decode ({get('kv_role')}) instance of the cp_kv connector must "
+            f"not shard its KV (the shard group would have {size} ranks): sharded "
+            "decode instances are not supported yet; disable cp_kv on the decode "
+            "instance (the prefill instance shards).")
 
 
 # Speculative methods that run with sharded KV: DeepSeek MTP (its draft

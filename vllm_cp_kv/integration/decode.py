@@ -33,7 +33,7 @@ from vllm.logger import init_logger
 from ..core import debug as core_debug
 from ..core.decode import merge_by_lse, paged_attention_with_lse, query_token_lens
 from ..core.plan import plan_materialization
-from . import plugin
+from . import vllm_api
 from .planning import DecodeView
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
@@ -64,9 +64,18 @@ def build_local(builder, view: DecodeView, heads_of_ranks: int):
     (all H under TP, where the queries are gathered). What the captured
     kernels read is the view's persistent storage and the builder's own
     persistent buffers (its scheduler metadata)."""
-    with plugin.builder_heads_of(builder, heads_of_ranks):
-        return _one_query_rows(builder._build_decode, view, view.block_table,
-                               view.local_lens, view.max_local_len)
+    with vllm_api.builder_heads_of(builder, heads_of_ranks):
+        return _one_query_rows(builder, view, view.block_table, view.local_lens,
+                               view.max_local_len)
+
+
+def _one_query_rows(builder, view: DecodeView, table, lens, max_len: int):
+    """vLLM's decode metadata for the rows of ``view`` (one query token
+    each) over ``table`` with ``lens`` tokens per row."""
+    return vllm_api.build_decode(
+        builder, block_table=table, seq_lens=lens, max_seq_len=max_len,
+        query_start_loc_cpu=view.query_start_loc_cpu, query_start_loc=view.query_start_loc,
+        num_tokens=lens.shape[0])
 
 
 def gpu_step_bytes(view: DecodeView, *, heads: int, q_width: int, v_dim: int,
@@ -81,16 +90,6 @@ def gpu_step_bytes(view: DecodeView, *, heads: int, q_width: int, v_dim: int,
     lse = rows * heads * 4 * (n - 1)  # float32 LSEs, all-gathered
     out = rows * heads * v_dim * out_bytes * (n - 1) // n  # reduce-scattered (TP)
     return q + lse + out
-
-
-def _one_query_rows(build_decode, view: DecodeView, table, lens, max_len: int):
-    """A builder's ``_build_decode`` for the rows of ``view`` (one query
-    token each) over ``table`` with ``lens`` tokens per row."""
-    return build_decode(
-        block_table_tensor=table, seq_lens_device=lens, max_seq_len=max(max_len, 1),
-        query_start_loc_cpu=view.query_start_loc_cpu,
-        query_start_loc_device=view.query_start_loc, num_decode_tokens=lens.shape[0],
-        max_query_len=1, dcp_tot_seq_lens_device=None)
 
 
 def all_heads(runtime, view: DecodeView, q: torch.Tensor, local_heads: int,
@@ -122,7 +121,7 @@ def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_c
     returning its LSE, vLLM's merge (``cp_lse_ag_out_rs``: all-gather of
     the LSEs, reduce-scatter of the outputs over heads; under PCP every rank
     has all heads: ``cp_lse_ag_out_ar``). ``lse_context``: where the kernel
-    returns a float32 LSE (``plugin.float32_decode_lse``)."""
+    returns a float32 LSE (``vllm_api.float32_decode_lse``)."""
     from vllm.v1.attention.ops.dcp import cp_lse_ag_out_ar, cp_lse_ag_out_rs
 
     view = attn_metadata.cp_kv.decode
@@ -132,7 +131,7 @@ def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_c
     if view.multi_query:  # FLASHMLA shapes its queries by the row count
         attn_metadata = copy.copy(attn_metadata)
         attn_metadata.num_decodes = view.local_lens.shape[0]
-    with plugin.impl_returns_decode_lse(impl), lse_context() as float32:
+    with vllm_api.impl_returns_decode_lse(impl), lse_context() as float32:
         out, lse = forward_mqa(q, kv_cache, attn_metadata, layer)
     lse = float32.get("lse", lse)
     combine = cp_lse_ag_out_rs if view.gather_heads else cp_lse_ag_out_ar
@@ -154,16 +153,15 @@ class AMXLocal:
 
 def build_local_amx(view: DecodeView, block_size: int) -> AMXLocal:
     from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.mla.amx_mla import (_compute_num_kv_splits,
-                                                         _expand_block_table)
 
     rows = view.block_table.shape[0]
     return AMXLocal(
-        req_to_token=_expand_block_table(view.block_table, block_size).to(torch.int64),
+        req_to_token=vllm_api.amx_expand_block_table(view.block_table, block_size).to(
+            torch.int64),
         req_pool_indices=torch.arange(rows, dtype=torch.int64),
         seq_lens=view.local_lens.to(torch.int64),
-        num_kv_splits=_compute_num_kv_splits(max(view.max_local_len, 1),
-                                             current_platform.num_compute_units()))
+        num_kv_splits=vllm_api.amx_num_kv_splits(max(view.max_local_len, 1),
+                                                 current_platform.num_compute_units()))
 
 
 def amx_attention_with_lse(q: torch.Tensor, kv_cache: torch.Tensor, local: AMXLocal,
@@ -174,15 +172,16 @@ def amx_attention_with_lse(q: torch.Tensor, kv_cache: torch.Tensor, local: AMXLo
     whole is their logsumexp (checked against float64 attention in
     tests/test_decode.py). Rows that see no owned token get a zero output
     and ``-inf`` (the kernel leaves NaN there)."""
-    from vllm import _custom_ops as ops
-
     rows, heads, width = q.shape
     flat = kv_cache.view(-1, 1, width)
     out = q.new_zeros(rows, heads, v_dim)
     logits = torch.zeros(rows, heads, local.num_kv_splits, v_dim + 1, dtype=torch.float32)
-    ops.cpu_mla_decode(q.contiguous(), flat, flat[..., :v_dim], out, None, None, None,
-                       logits, local.req_to_token, local.req_pool_indices, local.seq_lens,
-                       scale, 0.0, False, 0, None, None)
+    vllm_api.cpu_mla_decode(
+        query=q.contiguous(), k_buffer=flat, v_buffer=flat[..., :v_dim], output=out,
+        key=None, value=None, loc=None, attn_logits=logits, req_to_token=local.req_to_token,
+        req_pool_indices=local.req_pool_indices, seq_lens=local.seq_lens, sm_scale=scale,
+        logit_cap=0.0, is_cross_attn=False, sliding_window_size=0, encoder_lens=None,
+        sinks=None)
     lse = torch.logsumexp(logits[..., v_dim], dim=-1)
     empty = local.seq_lens == 0
     if bool(empty.any()):
@@ -252,10 +251,10 @@ def check_against_full_view(impl, forward_mqa, q, out, attn_metadata, kv_cache,
         h = out.shape[1]
         ref = ref[:, runtime.spec.rank * h:(runtime.spec.rank + 1) * h]
     unsharded = None
-    if made.build_decode is not None and not view.multi_query:
+    if made.decode_builder is not None and not view.multi_query:
         md = copy.copy(attn_metadata)
         md.decode = _one_query_rows(
-            made.build_decode, view, plan.full_block_table.to(view.block_table.device),
+            made.decode_builder, view, plan.full_block_table.to(view.block_table.device),
             lens.to(device=view.local_lens.device, dtype=torch.int32), int(lens.max()))
         unsharded = forward_mqa(q, full, md, layer)[0]
         if unsharded.shape[1] != out.shape[1]:  # replicated queries: this rank's heads

@@ -32,6 +32,7 @@ from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
 from ..core.last_token import (full_bytes, gather_sampled_rows, narrow_bytes,
                                plan_sampled_rows)
+from . import vllm_api
 from .options import debug_enabled
 from .runtime import make_all_gather_into
 
@@ -61,7 +62,7 @@ class LastTokenPCPManager(PCPManager):
                              aux_hidden_states: list[torch.Tensor] | None):
         batch = self.global_batch
         reason = self.full_gather_reason(batch, aux_hidden_states)
-        restore_idx = self._hidden_restore_idx
+        restore_idx = vllm_api.hidden_restore_idx(self)
         group = get_pcp_group()
         size, hidden = group.world_size, hidden_states.shape[1]
         elem = hidden_states.element_size()

@@ -22,8 +22,11 @@ def debug_enabled() -> bool:
 @dataclass(frozen=True)
 class CPKVOptions:
     enable: bool = False
-    # Upper bound of scratch blocks per layer; 0 = derive the exact worst case
-    # from max_num_seqs, max_model_len and the KV budget.
+    # Cap of the scratch (blocks of one layer). 0: the chunked context's
+    # workspace (dense models with the default decode) or, where the whole
+    # view is read at once, its worst case from max_num_seqs, max_model_len
+    # and the KV budget. A whole-view cap below one request of max_model_len
+    # is refused when the worker starts (startup row scratch-cap).
     max_scratch_blocks: int = 0
     # Collect only sampled rows at the end of a PCP prefill (V2 GPU runner).
     last_token_gather: bool = True
@@ -77,3 +80,13 @@ class CPKVOptions:
 def options_of(vllm_config) -> CPKVOptions:
     return CPKVOptions.from_additional_config(
         getattr(vllm_config, "additional_config", None))
+
+
+def enabled(vllm_config) -> bool:
+    """cp_kv is on for this config (``additional_config.cp_kv.enable``)."""
+    return vllm_config is not None and options_of(vllm_config).enable
+
+
+def sharding(vllm_config) -> bool:
+    """cp_kv shards the KV cache for this config (enabled, ``kv_sharding``)."""
+    return enabled(vllm_config) and options_of(vllm_config).kv_sharding

@@ -19,7 +19,7 @@ over the PCP group needs, and :func:`make_runner_cls` selects it through
   that outlives the step, as vLLM keeps its local mask (a captured MoE
   layer reads the same address at every replay), records it in the step's
   context (and on itself, for ``kv_sharding: false``), and the plugin hands
-  it to the forward context (``plugin.patch_forward_context``,
+  it to the forward context (``worker_patches.patch_forward_context``,
   :func:`gathered_padding`).
 
 Both records go into the open step's
@@ -38,7 +38,7 @@ import torch
 
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
-from . import plugin
+from . import vllm_api
 from .last_token import LastTokenPCPManager, bound_manager_cls
 from .options import options_of
 from .planning import PCPStep
@@ -46,7 +46,7 @@ from .planning import PCPStep
 
 def rank_token_counts(manager: PCPManager, num_scheduled, is_prefilling) -> list[int]:
     """Real (unpadded) tokens each PCP rank runs in this step (vLLM's split)."""
-    return [sum(n for _, _, n in manager._iter_rank_chunks(r, num_scheduled, is_prefilling))
+    return [sum(n for _, _, n in vllm_api.rank_chunks(manager, r, num_scheduled, is_prefilling))
             for r in range(manager.pcp_world_size)]
 
 
@@ -127,7 +127,7 @@ class CPKVPCPManager(LastTokenPCPManager):
         # prefill sizes collectives per rank (vllm#53573); sharded ranks
         # read a materialized full view instead, so run vLLM's other checks
         # as if DCP were off (plugin.py, item 8).
-        with plugin.unsharded_view(vllm_config):
+        with vllm_api.unsharded_view(vllm_config):
             PCPManager.validate_config(vllm_config, supports_mm_inputs)
 
     def partition_batch(self, input_batch, batch_desc):

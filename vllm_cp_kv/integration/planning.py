@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,9 +40,14 @@ from vllm.logger import init_logger
 
 from ..core import debug as core_debug
 from ..core.decode import query_token_lens
+from ..core.materialize import LayerPrefetcher
 from ..core.ownership import CPShardSpec
 from ..core.plan import (ContextChunk, MaterializationPlan, plan_context_chunks,
                          plan_materialization, plan_split_requests)
+
+if TYPE_CHECKING:  # annotations only: these modules import this one
+    from .decode import AMXLocal
+    from .runtime import ShardRuntime
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
@@ -195,14 +201,14 @@ class BatchContext:
 class BatchPlan:
     """One batch's reading plan, attached to its attention metadata."""
 
-    runtime: object  # the ShardRuntime that materializes it
+    runtime: ShardRuntime  # materializes it
     batch: BatchContext
     plan: MaterializationPlan | None  # None: nothing to gather, or several chunks
     full_table: torch.Tensor | None  # rows' full-view block table (first chunk's)
     reads: bool  # host flag, identical on every rank: gather for prefills
     num_decodes: int = 0
     decode: DecodeView | None = None  # decode rows use the LSE path
-    amx: object = None  # decode.AMXLocal: AMX_MLA's kernel metadata for the owned blocks
+    amx: AMXLocal | None = None  # AMX_MLA's kernel metadata for the owned blocks
     # the cached context as chunks read one after another (core.plan.ContextChunk;
     # one chunk: the single gather, ``plan``); None under PCP
     chunks: list | None = None
@@ -210,8 +216,8 @@ class BatchPlan:
     # table and chunked-context metadata; None: no prefill row reads the chunk)
     vllm_chunks: list | None = None
     views: dict = field(default_factory=dict)  # (layer name, chunk) -> full view
-    build_decode: object = None  # debug: the builder's _build_decode (vLLM's kernel on a view)
-    prefetcher: object = None  # LayerPrefetcher of this batch (GPU, cp_kv.prefetch)
+    decode_builder: Any = None  # debug: the (vLLM) builder whose kernel reads a view
+    prefetcher: LayerPrefetcher | None = None  # this batch's (GPU, cp_kv.prefetch)
 
     @property
     def chunked(self) -> bool:

@@ -1,48 +1,21 @@
-"""Plugin entry, and the one place where vLLM internals are rebound.
+"""Plugin entry: installs the rebindings of vLLM's modules and classes.
 
 ``register()`` runs in every vLLM process (``vllm.general_plugins`` entry
-point). Every rebinding below is inert unless the running config has
-``additional_config={"cp_kv": {"enable": true}}`` (item 7: unless the cp_kv
-connector is configured); installed but not enabled, the plugin changes
-nothing. Other modules build wrapped classes or functions and this module
-installs them; nothing outside this module assigns to vLLM's modules,
-classes or config.
-
-=====  ===============================================  ==========  =========
-no.    target (vLLM 0.32)                               installed   scope
-=====  ===============================================  ==========  =========
-1      ``EngineArgs.create_engine_config``              register    process
-2      ``Platform.check_and_update_config``             register    process
-3      ``Platform.update_block_size_for_backend``       register    process
-4      ``attention.selector._cached_get_attn_backend``  register    process
-5      ``cp_utils.check_attention_cp_compatibility``    register    process
-       (and the model runners' imported names)
-6      ``cpu_triton_utils._compute_slot_mapping_...``   register    CPU only
-7      ``InputProcessor._validate_params``              register    process
-8      ``get_dcp_group`` in vLLM's MLA modules and      ``with``    scoped
-       ``parallel_config.decode_context_parallel_size`` block
-9      V2 ``set_forward_context`` (model runner,        worker      PCP only
-       graph capture, MTP drafter)
-10     ``DeepseekV32IndexerCache.get_attn_backend`` and worker      sparse
-       ``deepseek_v32.attention.sparse_attn_indexer``
-11     ``triton_mla.decode_attention_fwd``              ``with``    scoped
-                                                        block
-12     the DCP fields vLLM's ``AttentionImplBase``      impl init,  per impl
-       sets (``dcp_world_size``, ``dcp_rank``,          ``with``    or block
-       ``total_cp_*``, ``need_to_return_lse_...``)      block
-13     ``dcp_world_size`` of vLLM's MLA builders        ``with``    scoped
-                                                        block
-14     the drafter's ``SpecDecodeBaseProposer``:        worker      sharded
-       ``build_per_group_and_layer_attn_metadata``,                 drafts
-       ``_update_positions_dependent_metadata``
-15     V2 ``DraftModelSpeculator._build_attn_metadata`` worker      sharded
-                                                                    drafts
-=====  ===============================================  ==========  =========
-
-``REGISTRY`` below lists the same targets as data; ``vllm-cp-kv compat``
-(``tools/compat.py``) resolves every one of them against the installed vLLM
-and says what moved. "worker": installed by :func:`register_worker`, which
-the sharded worker calls once when it starts.
+point) and installs items 1-7; the sharded worker installs items 9, 10, 14
+and 15 when it starts (``worker_patches.register_worker``); items 8 and
+11-13 are scoped views, ``with`` blocks in ``vllm_api.py`` that the sharded
+builders and impls enter. Every rebinding is inert unless the running
+config has ``additional_config={"cp_kv": {"enable": true}}`` (item 7:
+unless the cp_kv connector is configured); installed but not enabled, the
+plugin changes nothing. Every private vLLM name the package touches,
+these and the ones it overrides, calls or reads, is listed as data in
+``vllm_api.REGISTRY`` (its docstring has the table), which ``vllm-cp-kv
+compat`` resolves against the installed vLLM. The vLLM config fields the
+plugin derives are set where they are derived: the startup checks
+(``checks.py``: DCP size, interleave, rope, query replication, prefix
+caching), item 2 here (the worker class), the worker (its KV budget) and
+the PCP manager (none: it validates under a scoped view). Nothing in the
+package imports this module.
 
 Why each is needed:
 
@@ -75,7 +48,7 @@ Why each is needed:
 8. While a sharded builder or impl initializes, or a backend is chosen,
    vLLM's MLA code must see DCP off: it reads a full view (or merges by
    itself), and with DCP > 1 vLLM would pick other kernel paths (see
-   :func:`unsharded_view`).
+   ``vllm_api.unsharded_view``).
 9. Under PCP, vLLM 0.32's MoE layers route the PCP-gathered tokens but slice
    the rank-local padding mask (``topk_softmax ... is_padding size
    mismatch``); hand them the gathered mask the PCP manager recorded, in
@@ -90,16 +63,16 @@ Why each is needed:
     an 8K context is off by up to 0.06, a 6% error in the weight of a
     rank's partial output in the LSE merge (measured on one H200: the debug
     check failed by that much). Around the shard-aware decode call only,
-    the kernel writes a float32 LSE (:func:`float32_decode_lse`).
+    the kernel writes a float32 LSE (``vllm_api.float32_decode_lse``).
 12. A sharded impl reports DCP off to its ``MLAAttention`` layer, so that
     the layer neither all-gathers queries nor merges (the impl reads a full
-    view or merges itself: :func:`impl_reports_unsharded`); around the
+    view or merges itself: ``vllm_api.impl_reports_unsharded``); around the
     shard-aware decode call its kernel returns the LSE
-    (:func:`impl_returns_decode_lse`).
+    (``vllm_api.impl_returns_decode_lse``).
 13. vLLM's MLA builders size decode metadata and workspaces for
     ``num_heads * dcp_world_size`` query heads; the sharded builder (made
     with DCP off) sizes them for the gathered heads of the TP shard group
-    within :func:`builder_heads_of`.
+    within ``vllm_api.builder_heads_of``.
 14. Speculative decoding (MTP): vLLM's drafter runs its forwards in the
     step's ``sample_tokens``, each with a batch of its own, so each starts a
     new forward of the step (the plans of the last do not apply); and for
@@ -127,27 +100,19 @@ Why each is needed:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
-from dataclasses import dataclass
 
 from vllm.logger import init_logger
 
-from .options import CPKVOptions, options_of
+from .options import CPKVOptions, enabled, options_of, sharding
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
 _INSTALLED = False
-_WORKER_PATCHES: set[str] = set()
 WORKER_CLS = "vllm_cp_kv.integration.worker.ShardedKVWorker"
 
 
-def _enabled(vllm_config) -> bool:
-    return vllm_config is not None and options_of(vllm_config).enable
-
-
-def _sharding(vllm_config) -> bool:
-    return _enabled(vllm_config) and options_of(vllm_config).kv_sharding
+_enabled, _sharding = enabled, sharding
 
 
 # -- 1 ----------------------------------------------------------------------
@@ -219,6 +184,7 @@ def _patch_backend_selector() -> None:
 
         from .backend import lse_decode_enabled, sharded_backend
         from .checks import check_decode_backend, check_sparse_backend
+        from .vllm_api import unsharded_view
 
         # choose as an unsharded run would (FLASH_ATTN_MLA_SPARSE declines DCP)
         unsharded = attn_selector_config._replace(use_dcp=False)
@@ -324,347 +290,6 @@ def _patch_input_processor() -> None:
 
     _validate_params._cp_kv = True
     InputProcessor._validate_params = _validate_params
-
-
-# -- 8 ----------------------------------------------------------------------
-class _SingleRankGroup:
-    world_size = 1
-    rank_in_group = 0
-
-
-# Modules whose builders or impls read the DCP group while initializing.
-_DCP_READERS = (
-    "vllm.model_executor.layers.attention.mla_attention",
-    "vllm.model_executor.layers.attention.sparse_mla_attention",
-    "vllm.v1.attention.backends.mla.indexer",
-)
-
-
-@contextlib.contextmanager
-def unsharded_view(vllm_config):
-    """Make vLLM's MLA code initialize (or select a backend) as if DCP were off.
-
-    Why: with DCP > 1 the MLA builders expect the layer's LSE-merging
-    ``MLADCPManager``, kernels without DCP varlen support (FLASH_ATTN_MLA
-    with interleave > 1) send short prefills down the prefill path instead
-    of the decode kernel, FLASH_ATTN_MLA_SPARSE declines to be selected and
-    FLASHMLA_SPARSE switches to vLLM's own PCP+DCP gather. The sharded
-    kernels read a complete materialized view (prefill) or merge their
-    partial decode outputs themselves, so all of them must initialize
-    exactly as unsharded; the shard-aware decode then lowers the decode
-    threshold itself (``decode.decode_threshold``: a short prefill reads
-    the full view, as vLLM's DCP sends it to the prefill path).
-    """
-    parallel = vllm_config.parallel_config
-    modules = [importlib.import_module(name) for name in _DCP_READERS]
-    saved = [m.get_dcp_group for m in modules]
-    orig_dcp = parallel.decode_context_parallel_size
-    for m in modules:
-        m.get_dcp_group = lambda: _SingleRankGroup()
-    parallel.decode_context_parallel_size = 1
-    try:
-        yield
-    finally:
-        for m, fn in zip(modules, saved):
-            m.get_dcp_group = fn
-        parallel.decode_context_parallel_size = orig_dcp
-
-
-# -- 9 ----------------------------------------------------------------------
-def patch_forward_context() -> None:
-    """PCP + MoE: the gathered tokens' padding mask (item 9). Installed by the
-    sharded worker when it builds vLLM's V2 runner."""
-    if "forward_context" in _WORKER_PATCHES:
-        return
-    _WORKER_PATCHES.add("forward_context")
-    from vllm.v1.worker.gpu import cudagraph_utils, model_runner
-    from vllm.v1.worker.gpu.spec_decode.target_dependent_ar import speculator
-
-    # the V2 runner's forwards, its CUDA graph captures (whose MoE layers keep
-    # reading the mask's buffer at every replay) and its MTP drafter's (each
-    # module imports the function by name): a DeepSeek MTP layer is MoE too
-    for module in (model_runner, cudagraph_utils, speculator):
-        module.set_forward_context = _gathered_padding(module.set_forward_context)
-
-
-def _gathered_padding(orig):
-    @functools.wraps(orig)
-    def set_forward_context(attn_metadata, vllm_config, *args, is_padding=None,
-                            **kwargs):
-        pcp = vllm_config.parallel_config.prefill_context_parallel_size
-        if is_padding is not None and pcp > 1 and _enabled(vllm_config):
-            from .pcp import gathered_padding
-
-            # the step's recorded mask; dummy and profile runs, and the
-            # drafter's chained steps (item 15), are identical on every rank
-            is_padding = gathered_padding(*_recorded_padding(attn_metadata), is_padding,
-                                          pcp)
-        return orig(attn_metadata, vllm_config, *args, is_padding=is_padding,
-                    **kwargs)
-
-    return set_forward_context
-
-
-def _recorded_padding(attn_metadata) -> tuple[bool, object]:
-    """Whether this forward's metadata carries a batch plan, and the padding
-    masks the PCP manager recorded in its step (None where the forward is
-    replicated on every rank)."""
-    groups = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
-    for group in groups:
-        for md in (group or {}).values():
-            made = getattr(md, "cp_kv", None)
-            if made is not None:
-                return True, made.batch.padding
-    return False, None
-
-
-# -- 10 ---------------------------------------------------------------------
-def patch_sparse_indexer() -> None:
-    """Sparse models (item 10). Installed by the sharded worker before vLLM
-    builds the model (idempotent)."""
-    if "sparse_indexer" in _WORKER_PATCHES:
-        return
-    _WORKER_PATCHES.add("sparse_indexer")
-    from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
-    from vllm.models.deepseek_v32 import attention
-
-    from .sparse import sharded_indexer_backend, sharded_indexer_op
-
-    attention.sparse_attn_indexer = sharded_indexer_op(attention.sparse_attn_indexer)
-    orig_backend = DeepseekV32IndexerCache.get_attn_backend
-
-    @functools.wraps(orig_backend)
-    def get_attn_backend(self):
-        return sharded_indexer_backend(orig_backend(self))
-
-    DeepseekV32IndexerCache.get_attn_backend = get_attn_backend
-
-
-# -- 11 ---------------------------------------------------------------------
-@contextlib.contextmanager
-def float32_decode_lse():
-    """Within the block, vLLM's Triton MLA decode kernel writes its LSE into
-    a float32 buffer (its reduction stores into any float buffer) instead
-    of the model-dtype one ``TritonMLAImpl.forward_mqa`` allocates; the
-    yielded dict holds it as "lse" after the call."""
-    import torch
-    from vllm.v1.attention.backends.mla import triton_mla
-
-    orig = triton_mla.decode_attention_fwd
-    box: dict = {}
-
-    def decode_attention_fwd(q, k_buffer, v_buffer, o, lse, *args, **kwargs):
-        box["lse"] = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
-        return orig(q, k_buffer, v_buffer, o, box["lse"], *args, **kwargs)
-
-    triton_mla.decode_attention_fwd = decode_attention_fwd
-    try:
-        yield box
-    finally:
-        triton_mla.decode_attention_fwd = orig
-
-
-# -- 12, 13 -----------------------------------------------------------------
-def impl_reports_unsharded(impl) -> None:
-    """Item 12: the DCP fields vLLM's ``AttentionImplBase`` set on a sharded
-    impl, as with DCP off (its layer must not gather queries or merge)."""
-    impl.dcp_world_size, impl.dcp_rank = 1, 0
-    impl.total_cp_world_size, impl.total_cp_rank = 1, 0
-    impl.need_to_return_lse_for_decode = False
-
-
-@contextlib.contextmanager
-def impl_returns_decode_lse(impl):
-    """Item 12: within the block, the impl's decode kernel returns its LSE."""
-    impl.need_to_return_lse_for_decode = True
-    try:
-        yield
-    finally:
-        impl.need_to_return_lse_for_decode = False
-
-
-@contextlib.contextmanager
-def builder_heads_of(builder, ranks: int):
-    """Item 13: within the block, vLLM's builder sizes decode metadata and
-    workspaces for the heads of ``ranks`` ranks (``num_heads *
-    dcp_world_size``; the sharded builder initialized with DCP off)."""
-    saved, builder.dcp_world_size = builder.dcp_world_size, ranks
-    try:
-        yield
-    finally:
-        builder.dcp_world_size = saved
-
-
-# -- 14 ---------------------------------------------------------------------
-def patch_drafter() -> None:
-    """Speculative decoding with sharded draft layers (item 14)."""
-    if "drafter" in _WORKER_PATCHES:
-        return
-    _WORKER_PATCHES.add("drafter")
-    import torch
-    from vllm.v1.spec_decode import llm_base_proposer as lbp
-    from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
-
-    from ..core.ownership import owned_slot_mapping
-    from .runtime import runtime_of_layers
-
-    proposer = lbp.SpecDecodeBaseProposer
-
-    def runtime_of(self):
-        names = [n for group in getattr(self, "draft_attn_groups", None) or ()
-                 for n in group.layer_names]
-        runtime = runtime_of_layers(self.vllm_config, names)
-        return runtime if runtime is not None and runtime.spec.size > 1 else None
-
-    orig_build = proposer.build_per_group_and_layer_attn_metadata
-
-    @functools.wraps(orig_build)
-    def build_per_group_and_layer_attn_metadata(self, common_attn_metadata, *args, **kwargs):
-        runtime = runtime_of(self)
-        if runtime is not None:
-            runtime.new_forward()
-        return orig_build(self, common_attn_metadata, *args, **kwargs)
-
-    orig_update = proposer._update_positions_dependent_metadata
-
-    @functools.wraps(orig_update)
-    def update_positions(self, positions, common_attn_metadata, batch_size,
-                         input_batch_size, block_size):
-        out = orig_update(self, positions, common_attn_metadata, batch_size,
-                          input_batch_size, block_size)
-        runtime = runtime_of(self)
-        if runtime is not None:
-            spec, slots = runtime.spec, common_attn_metadata.slot_mapping
-            pos = (out[0] if self.uses_mrope else out)[:batch_size].long()
-            rows = torch.arange(batch_size, device=pos.device)
-            owned = owned_slot_mapping(pos, rows, common_attn_metadata.block_table_tensor,
-                                       block_size, spec.size, spec.rank, spec.block_size,
-                                       PADDING_SLOT_ID)
-            # past max_model_len vLLM wrote the padding slot: keep it
-            slots.copy_(torch.where(slots == PADDING_SLOT_ID, slots, owned))
-        return out
-
-    proposer.build_per_group_and_layer_attn_metadata = build_per_group_and_layer_attn_metadata
-    proposer._update_positions_dependent_metadata = update_positions
-
-
-def patch_v2_speculator() -> None:
-    """Speculative decoding on the V2 runner (item 15)."""
-    if "v2_speculator" in _WORKER_PATCHES:
-        return
-    _WORKER_PATCHES.add("v2_speculator")
-    from vllm.v1.worker.gpu.spec_decode import speculator as sp
-
-    from .runtime import runtime_of_layers
-
-    cls = sp.DraftModelSpeculator
-    orig = cls._build_attn_metadata
-
-    @functools.wraps(orig)
-    def _build_attn_metadata(self, *args, **kwargs):
-        runtime = runtime_of_layers(self.vllm_config,
-                                    sorted(getattr(self, "draft_attn_layer_names", ()) or ()))
-        if runtime is not None:
-            # a chained draft step: the whole batch on every rank, one
-            # token a request, also under PCP (the draft prefill before it
-            # ran on the target's split and metadata)
-            runtime.new_forward(replicated=True)
-        return orig(self, *args, **kwargs)
-
-    cls._build_attn_metadata = _build_attn_metadata
-
-
-def register_worker(vllm_config, v2_runner: bool) -> None:
-    """Items 9, 10, 14 and 15 where they apply: called once by the sharded
-    worker before vLLM builds its model runner and model."""
-    if v2_runner:
-        patch_forward_context()
-    if _sharding(vllm_config) and getattr(vllm_config.model_config.hf_text_config,
-                                          "index_topk", None):
-        patch_sparse_indexer()
-    if _sharding(vllm_config) and vllm_config.speculative_config is not None:
-        patch_v2_speculator() if v2_runner else patch_drafter()
-
-
-@dataclass(frozen=True)
-class Rebinding:
-    """One registry item: the vLLM names it rebinds or relies on.
-
-    ``targets``: ``"module:qualified.name"`` each; ``params``: parameters
-    of the first target the wrapper passes by name; ``assigns``: instance
-    fields the first target (a class) must assign as ``self.<name> =`` in
-    its source; ``optional``: targets that may be absent (other runners)."""
-
-    no: int
-    targets: tuple[str, ...]
-    params: tuple[str, ...] = ()
-    assigns: tuple[str, ...] = ()
-    optional: tuple[str, ...] = ()
-
-
-_MLA = "vllm.model_executor.layers.attention.mla_attention"
-REGISTRY = (
-    Rebinding(1, ("vllm.engine.arg_utils:EngineArgs.create_engine_config",),
-              params=("usage_context", "headless")),
-    Rebinding(2, ("vllm.platforms.interface:Platform.check_and_update_config",
-                  "vllm.config.parallel:ParallelConfig.worker_cls",
-                  "vllm.config.cache:CacheConfig.enable_prefix_caching"),
-              params=("vllm_config",)),
-    Rebinding(3, ("vllm.platforms.interface:Platform.update_block_size_for_backend",
-                  "vllm.config.parallel:ParallelConfig.cp_kv_cache_interleave_size"),
-              params=("vllm_config",)),
-    Rebinding(4, ("vllm.v1.attention.selector:_cached_get_attn_backend",
-                  "vllm.v1.attention.selector:AttentionSelectorConfig.use_dcp",
-                  "vllm.v1.attention.selector:AttentionSelectorConfig.use_mla",
-                  "vllm.v1.attention.selector:AttentionSelectorConfig.use_sparse"),
-              params=("backend", "attn_selector_config")),
-    Rebinding(5, ("vllm.v1.worker.cp_utils:check_attention_cp_compatibility",),
-              params=("vllm_config",),
-              optional=("vllm.v1.worker.gpu_model_runner:check_attention_cp_compatibility",
-                        "vllm.v1.worker.gpu.model_runner:check_attention_cp_compatibility")),
-    Rebinding(6, ("vllm.utils.cpu_triton_utils:_compute_slot_mapping_kernel_impl",),
-              params=("num_tokens", "max_num_tokens", "query_start_loc", "positions",
-                      "block_table", "block_table_stride", "slot_mapping",
-                      "KV_CACHE_BLOCK_SIZE", "TOTAL_CP_WORLD_SIZE", "TOTAL_CP_RANK",
-                      "CP_KV_CACHE_INTERLEAVE_SIZE", "PAD_ID", "BLOCK_SIZE")),
-    Rebinding(7, ("vllm.v1.engine.input_processor:InputProcessor._validate_params",
-                  "vllm.exceptions:VLLMValidationError"),
-              params=("params",)),
-    Rebinding(8, (f"{_MLA}:get_dcp_group",
-                  "vllm.model_executor.layers.attention.sparse_mla_attention:get_dcp_group",
-                  "vllm.v1.attention.backends.mla.indexer:get_dcp_group",
-                  "vllm.config.parallel:ParallelConfig.decode_context_parallel_size")),
-    Rebinding(9, ("vllm.v1.worker.gpu.model_runner:set_forward_context",
-                  "vllm.v1.worker.gpu.cudagraph_utils:set_forward_context",
-                  "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator:"
-                  "set_forward_context",
-                  "vllm.v1.worker.gpu.model_runner:GPUModelRunner.pcp_manager_cls"),
-              params=("attn_metadata", "vllm_config", "is_padding")),
-    Rebinding(10, ("vllm.model_executor.models.deepseek_v2:"
-                   "DeepseekV32IndexerCache.get_attn_backend",
-                   "vllm.models.deepseek_v32.attention:sparse_attn_indexer")),
-    Rebinding(11, ("vllm.v1.attention.backends.mla.triton_mla:decode_attention_fwd",),
-              params=("q", "k_buffer", "v_buffer", "o", "lse")),
-    Rebinding(12, ("vllm.v1.attention.backend:AttentionImplBase.__new__",),
-              assigns=("dcp_world_size", "dcp_rank", "total_cp_world_size",
-                       "total_cp_rank", "need_to_return_lse_for_decode")),
-    Rebinding(13, (f"{_MLA}:MLACommonMetadataBuilder.__init__",
-                   f"{_MLA}:MLACommonMetadataBuilder._build_decode"),
-              assigns=("dcp_world_size",)),
-    Rebinding(14, ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer."
-                   "_update_positions_dependent_metadata",
-                   "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer."
-                   "build_per_group_and_layer_attn_metadata",
-                   "vllm.v1.spec_decode.utils:PADDING_SLOT_ID"),
-              params=("positions", "common_attn_metadata", "batch_size",
-                      "input_batch_size", "block_size")),
-    Rebinding(15, ("vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator",
-                   "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator."
-                   "_build_attn_metadata",
-                   "vllm.v1.attention.backend:AttentionMetadataBuilder."
-                   "supports_draft_decode_metadata_update"),
-              assigns=("draft_attn_layer_names",)),
-)
 
 
 def register() -> None:

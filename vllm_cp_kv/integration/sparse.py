@@ -18,7 +18,7 @@ DCP slot mapping, so each rank stores only the blocks it owns. Here:
   the persistent cache first (by the model's fused norm/RoPE kernel, or
   under PCP by the op's own insert, done here beforehand), owner-only.
 
-``plugin.patch_sparse_indexer`` installs both wrappers in sharded workers
+``worker_patches.patch_sparse_indexer`` installs both wrappers in sharded workers
 of sparse models, before the model is built; without a plan in the batch
 metadata (sharding off, profile runs) the op runs exactly as vLLM's.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from functools import cache
 
-from . import plugin
+from . import vllm_api
 from .geometry import group_size_of
 from .planning import plan_batch, split_rows, translated
 from .runtime import required_runtime
@@ -43,7 +43,7 @@ class ShardedIndexerBuilder:
             # a full-view row holds every logical block of a request: N times
             # the columns of a DCP-sharded row
             kwargs["block_table_width"] *= group_size_of(vllm_config)
-        with plugin.unsharded_view(vllm_config):
+        with vllm_api.unsharded_view(vllm_config):
             super().__init__(kv_cache_spec, layer_names, vllm_config, device,
                              *args, **kwargs)
         self.cp_kv_layers = (vllm_config, list(layer_names))
@@ -107,7 +107,6 @@ def sharded_indexer_op(orig):
     import inspect
 
     from vllm import forward_context
-    from vllm.model_executor.layers.sparse_attn_indexer import _resolve_layer_name
 
     signature = inspect.signature(orig)
 
@@ -117,7 +116,7 @@ def sharded_indexer_op(orig):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        layer = _resolve_layer_name(a["k_cache_prefix"])
+        layer = vllm_api.resolve_layer_name(a["k_cache_prefix"])
         if isinstance(metadata, dict):
             metadata = metadata.get(layer)
         made = getattr(metadata, "cp_kv", None)

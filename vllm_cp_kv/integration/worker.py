@@ -9,8 +9,9 @@ from __future__ import annotations
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from ..core.capacity import scratch_blocks_bound
-from . import plugin
+from ..core.capacity import one_request_view_blocks, scratch_blocks_bound
+from .checks import check_scratch_cap
+from . import worker_patches
 from .geometry import geometry_of, group_size_of
 from .metrics import ShardMetrics
 from .options import options_of
@@ -33,7 +34,7 @@ class ShardedKVWorker(_PlatformWorker):
         self.cp_kv_runtime: ShardRuntime | None = None
         self._cp_kv_scratch_blocks: int | None = None
         # before vLLM builds the model runner's PCP manager and the model
-        plugin.register_worker(vllm_config, self._v2_runner())
+        worker_patches.register_worker(vllm_config, self._v2_runner())
 
     def _sharding(self) -> bool:
         return options_of(self.vllm_config).kv_sharding
@@ -61,6 +62,11 @@ class ShardedKVWorker(_PlatformWorker):
             max_model_len=cfg.model_config.max_model_len,
             cap_blocks=options_of(cfg).max_scratch_blocks, chunked=chunked,
             workspace_tokens=options_of(cfg).workspace_tokens)
+        if not chunked:
+            check_scratch_cap(blocks, options_of(cfg).max_scratch_blocks,
+                              one_request_view_blocks(
+                                  shard_size=size, block_size=block_size,
+                                  max_model_len=cfg.model_config.max_model_len))
         self._cp_kv_scratch_blocks = blocks
         logger.info(
             "cp_kv: KV shard group of %d ranks; scratch full view of %d x %d blocks "

@@ -9,7 +9,8 @@ prints the KV tokens a memory budget per rank holds with every rank keeping
 a full copy and with the cache sharded over the shard group, with the
 arithmetic vLLM's engine and the plugin use (whole blocks of every layer;
 the sharded budget minus the scratch full view). ``compat`` resolves every
-vLLM name the plugin rebinds against the installed vLLM (``tools/compat.py``).
+private vLLM name the plugin touches against the installed vLLM
+(``tools/compat.py``), and lists each with what is checked.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     c.add_argument("--backend", default="",
                    help="attention backend, if not a GPU one or CPU_MLA (AMX_MLA)")
     c.add_argument("--json", action="store_true")
-    k = sub.add_parser("compat", help="check the plugin's vLLM rebindings resolve")
+    k = sub.add_parser("compat", help="check every private vLLM name the plugin touches still resolves")
     k.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.command == "compat":

@@ -1,14 +1,16 @@
-"""``vllm-cp-kv compat``: resolve every vLLM name the plugin rebinds or
-relies on (``integration/plugin.py``'s ``REGISTRY``) against the installed
-vLLM, and say what moved.
+"""``vllm-cp-kv compat``: resolve every private vLLM name the plugin
+rebinds, overrides, calls or reads (``integration/vllm_api.py``'s
+``REGISTRY``) against the installed vLLM, and say what moved.
 
     vllm-cp-kv compat [--json]
 
 For each registry item: every target must import and resolve (a module
 attribute, a class attribute, or a dataclass / pydantic field); the
-parameters the wrapper passes by name must be in the first target's
-signature; the instance fields the plugin sets must still be assigned by
-the first target (``self.<name> =`` in its source). Exit status 1 when
+parameters the plugin passes or overrides by name must be in the first
+target's signature (``params``) and in each listed target's
+(``signatures``); the instance fields the plugin reads or sets must still
+be assigned (``self.<name> =`` in the source) by the first target
+(``assigns``) or the listed one (``assigns_in``). Exit status 1 when
 anything required moved. Run it against a new vLLM before upgrading.
 """
 
@@ -50,7 +52,7 @@ def _function(obj):
 
 
 def check_item(item) -> list[str]:
-    """What moved for one :class:`~vllm_cp_kv.integration.plugin.Rebinding`
+    """What moved for one :class:`~vllm_cp_kv.integration.vllm_api.Rebinding`
     (empty: everything resolves)."""
     problems, first = [], None
     for i, target in enumerate(item.targets):
@@ -68,45 +70,90 @@ def check_item(item) -> list[str]:
             pass  # that runner is not importable here
         except AttributeError as e:
             problems.append(f"{target}: {e}")
-    if first is None:
-        return problems
-    fn = _function(first)
-    if item.params:
-        try:
-            have = set(inspect.signature(fn).parameters)
-        except (TypeError, ValueError) as e:
-            return problems + [f"{item.targets[0]}: no signature ({e})"]
-        missing = [p for p in item.params if p not in have]
-        if missing:
-            problems.append(f"{item.targets[0]}: parameters {missing} are gone "
-                            f"(has {sorted(have)})")
-    if item.assigns:
-        source = inspect.getsource(fn)
-        missing = [a for a in item.assigns
-                   if not re.search(rf"self\.{a}\b[^=\n]*(?<![=!<>])=(?!=)", source)]
-        if missing:
-            problems.append(f"{item.targets[0]}: no longer assigns {missing}")
+    if first is not None:
+        problems += _params(item.targets[0], first, item.params)
+        problems += _assigns(item.targets[0], first, item.assigns)
+    for target, params in item.signatures:
+        obj = _resolved(target)
+        if obj is not None:  # an unresolved target is reported above
+            problems += _params(target, obj, params)
+    for target, fields in item.assigns_in:
+        obj = _resolved(target)
+        if obj is not None:
+            problems += _assigns(target, obj, fields)
     return problems
+
+
+def _resolved(target: str):
+    try:
+        return resolve(target)
+    except Exception:
+        return None
+
+
+def _params(target: str, obj, params) -> list[str]:
+    """``params`` missing from ``obj``'s signature."""
+    if not params:
+        return []
+    try:
+        have = set(inspect.signature(_function(obj)).parameters)
+    except (TypeError, ValueError) as e:
+        return [f"{target}: no signature ({e})"]
+    missing = [p for p in params if p not in have]
+    return [f"{target}: parameters {missing} are gone (has {sorted(have)})"] if missing \
+        else []
+
+
+def _assigns(target: str, obj, fields) -> list[str]:
+    """Fields ``obj``'s source no longer assigns as ``self.<name> =``."""
+    if not fields:
+        return []
+    source = inspect.getsource(_function(obj))
+    missing = [a for a in fields
+               if not re.search(rf"self\.{a}\b[^=\n]*(?<![=!<>])=(?!=)", source)]
+    return [f"{target}: no longer assigns {missing}"] if missing else []
 
 
 def check_all(registry=None) -> dict[int, list[str]]:
     """``{item number: problems}`` for the whole registry."""
     if registry is None:
-        from ..integration.plugin import REGISTRY as registry
+        from ..integration.vllm_api import REGISTRY as registry
     return {item.no: check_item(item) for item in registry}
+
+
+def checks_of(item) -> list[str]:
+    """What is checked of each name of an item, one line each."""
+    lines = []
+    for i, target in enumerate(item.targets):
+        what = ["resolves"]
+        if i == 0 and item.params:
+            what.append(f"parameters {', '.join(item.params)}")
+        if i == 0 and item.assigns:
+            what.append(f"assigns {', '.join(item.assigns)}")
+        lines.append(f"{target}: {'; '.join(what)}")
+    lines += [f"{t}: resolves where importable" for t in item.optional]
+    lines += [f"{t}: parameters {', '.join(p)}" for t, p in item.signatures if p]
+    lines += [f"{t}: assigns {', '.join(f)}" for t, f in item.assigns_in]
+    return lines
 
 
 def main(as_json: bool = False) -> int:
     import vllm
 
+    from ..integration.vllm_api import REGISTRY
+
     report = check_all()
     if as_json:
-        print(json.dumps({"vllm": vllm.__version__, "items": report}))
+        print(json.dumps({"vllm": vllm.__version__, "items": report,
+                          "checks": {item.no: checks_of(item) for item in REGISTRY}}))
     else:
         print(f"vLLM {vllm.__version__}: {len(report)} registry items "
-              "(integration/plugin.py)")
-        for no, problems in report.items():
-            print(f"  item {no:>2}: {'ok' if not problems else 'MOVED'}")
+              "(integration/vllm_api.py): every private vLLM name the plugin touches")
+        for item in REGISTRY:
+            problems = report[item.no]
+            print(f"  item {item.no:>2}: {'ok' if not problems else 'MOVED'}")
+            for line in checks_of(item):
+                print(f"           {line}")
             for p in problems:
-                print(f"           {p}")
+                print(f"           MOVED: {p}")
     return 1 if any(report.values()) else 0

@@ -49,8 +49,8 @@ class WorkerSide:
         ``geometry``: the worker's ``ShardGeometry`` (sent whole in the
         handshake); ``rank``: the shard rank on a sharded prefill, the TP
         rank on the decode (``connector.side_rank``)."""
-        for t in caches:
-            assert t.is_contiguous(), "ShardedKVConnector needs contiguous caches"
+        if not all(t.is_contiguous() for t in caches):
+            raise ValueError("cp_kv: ShardedKVConnector needs contiguous KV caches")
         transport = make_transport(cfg.transport, cfg.host)
         handshake = Handshake(
             engine_id=str(engine_id or ""), shard=ShardLayout.of(geometry),

@@ -1,0 +1,72 @@
+"""Mutations for ``scripts/mutation_check.py``: each breaks one guarded
+thing in a copy of the tree, and names the tests that must then fail.
+
+``(path, text, replacement, tests)``; ``QUICK`` (indices) is the subset the
+suite runs (tests/test_mutations.py): the cheapest guards of this round's
+work. A mutation whose text is no longer in its file is reported STALE
+(the guard moved: update the entry), never skipped.
+"""
+
+MUTATIONS = [
+    ("vllm_cp_kv/core/ownership.py", "return logical_blocks % self.size",
+     "return (logical_blocks + 1) % self.size", "tests/test_ownership.py"),
+    ("vllm_cp_kv/core/ownership.py",
+     "tail = torch.where(spec.owner_of(full) == r, seq % bs, torch.zeros_like(seq))",
+     "tail = seq % bs",
+     "tests/test_ownership.py::test_owned_token_count_equals_vllms_dcp_local_lengths"),
+    ("vllm_cp_kv/core/capacity.py",
+     "per_req = -(-(-(-max_model_len // block_size)) // shard_size)",
+     "per_req = max_model_len // block_size // shard_size", "tests/test_capacity.py"),
+    ("vllm_cp_kv/core/capacity.py",
+     "by_bytes = available_bytes * shard_size // ((num_layers + shard_size) * page_bytes)",
+     "by_bytes = available_bytes * shard_size // (num_layers * page_bytes)",
+     "tests/test_capacity.py"),
+    ("vllm_cp_kv/core/manifest.py", "return [(j, int(virtual_table[spec.table_index(j)]))",
+     "return [(j, int(virtual_table[spec.table_index(j) - 1]))", "tests/test_manifest.py"),
+    ("vllm_cp_kv/core/decode.py", "weights = weights / total.clamp(min=1e-30)",
+     "weights = weights / weights.shape[0]", "tests/test_decode.py"),
+    ("vllm_cp_kv/core/decode.py",
+     "keep = torch.arange(k.shape[1], device=k.device)[None, :] < lens.to(k.device)[:, None]",
+     "keep = torch.arange(k.shape[1], device=k.device)[None, :] >= 0 * lens.to(k.device)[:, None]",
+     "tests/test_decode.py"),
+    ("vllm_cp_kv/core/plan.py", "owner = spec.owner_of(j)", "owner = (j + 1) % n",
+     "tests/test_plan.py tests/test_materialize_dist.py"),
+    ("vllm_cp_kv/integration/checks.py", "        check_cuda_graphs(args.compilation_config)",
+     "        pass", "tests/test_startup_checks.py::test_row_cuda_graphs"),
+    ("vllm_cp_kv/integration/checks.py", "        derive_torch_rope(args.compilation_config)",
+     "        pass", "tests/test_startup_checks.py::test_derived_settings"),
+    ("vllm_cp_kv/integration/geometry.py", "    return pcp if pcp > 1 else tp", "    return tp",
+     "tests/test_startup_checks.py tests/test_capacity.py"),
+    ("vllm_cp_kv/integration/runtime.py",
+     "        if self._batch is not None:\n            yield self._batch",
+     "        if False:\n            yield self._batch", "tests/test_step_context.py"),
+    ("vllm_cp_kv/integration/runtime.py",
+     "        if batch is not None and count and (batch.has_plans or batch.bytes):",
+     "        if batch is not None and (batch.has_plans or batch.bytes):",
+     "tests/test_step_context.py"),
+    ("vllm_cp_kv/tools/compat.py",
+     '    return [f"{target}: no longer assigns {missing}"] if missing else []',
+     "    return []", "tests/test_compat.py"),
+    # this round (issues 35, 36)
+    ("vllm_cp_kv/integration/planning.py", "        lens[real:].zero_()", "        pass",
+     "tests/test_graph_buffers.py"),
+    ("vllm_cp_kv/integration/planning.py",
+     "        return DecodeView(block_table=table, local_lens=lens[:num_decodes],",
+     "        return DecodeView(block_table=table, local_lens=lens[:num_decodes].clone(),",
+     "tests/test_graph_buffers.py"),
+    ("vllm_cp_kv/integration/pcp.py",
+     "    return manager.cp_kv_write_padding(is_padding.expand(pcp, -1))",
+     "    return is_padding.repeat(pcp)", "tests/test_graph_buffers.py"),
+    ("vllm_cp_kv/core/debug.py", "    if not ok:", "    if False:",
+     "tests/test_plan.py tests/test_chunks.py"),
+    ("vllm_cp_kv/integration/checks.py", "    if options.prefetch and (pcp > 1",
+     "    if False and (pcp > 1", "tests/test_startup_checks.py::test_row_prefetch"),
+    ("vllm_cp_kv/integration/checks.py", "    if debug_enabled():", "    if False:",
+     "tests/test_startup_checks.py::test_row_cuda_graphs"),
+    ("vllm_cp_kv/tools/compat.py", "    for target, params in item.signatures:",
+     "    for target, params in ():", "tests/test_compat.py"),
+]
+
+# the suite's share: a decode buffer rewritten in place, the PCP mask's
+# buffer, the debug checks under -O, the prefetch refusal
+QUICK = (14, 16, 17, 18)
