@@ -14,6 +14,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,23 @@ def time_ms(fn, iters: int = 20, warmup: int = 3, sync_group: bool = True) -> fl
 
 
 # ---- results ---------------------------------------------------------------------
+def wait_health(url: str, proc, timeout: float = 900) -> None:
+    """Until ``url``/health answers 200; fails when ``proc`` (the server) exits."""
+    import urllib.request
+
+    end = time.time() + timeout
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited with {proc.returncode}")
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=5).status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"{url} did not become ready")
+
+
 def result_dir(path: str | None = None) -> str:
     """``path`` (default ``benchmarks/results``), created if missing."""
     path = path or RESULTS

@@ -213,7 +213,8 @@ def bench_case(transport, raw, infos, local, src, idx, table):
         manifests = {r: validate_manifest(info["manifest"], r, N, ARGS.blocks, info["num_blocks"])
                      for r, info in infos.items()}
         check_complete(manifests, ARGS.blocks)
-        return read_owned_blocks(t, manifests, peers, local_ids, local_addrs, nbytes, TIMEOUT_S)
+        return read_owned_blocks(t, manifests, peers, local_ids, local_addrs, nbytes,
+                                 TIMEOUT_S)[0]
 
     # raw: every owned block's bytes, from the rule owner(j) = j % N at
     # virtual_table[j // N], written down without the project's code

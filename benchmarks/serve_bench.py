@@ -51,7 +51,8 @@ import threading
 import time
 import urllib.request
 
-from common import ROOT, free_port, meta, pyplot, result_dir, save_figure, write_json
+from common import (ROOT, free_port, meta, pyplot, result_dir, save_figure, wait_health,
+                    write_json)
 
 CONFIGS = ("unsharded", "sharded", "sharded_half")
 HARNESS = os.path.join(ROOT, "scripts", "gpu", "onegpu")
@@ -127,17 +128,7 @@ def cpu_by_role(snapshots: dict) -> dict:
 
 
 def wait_ready(port: int, proc, timeout: float = 900) -> None:
-    start = time.time()
-    while time.time() - start < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise TimeoutError("server did not become ready")
+    wait_health(f"http://127.0.0.1:{port}", proc, timeout)
 
 
 def capacity_of(log: str) -> int | None:

@@ -107,3 +107,22 @@ def test_workspace_option_and_floor():
                                  max_model_len=4096, chunked=True, **{
                                      k: v for k, v in kw.items()})
     assert bound == 8
+
+
+@pytest.mark.parametrize("n,goal", [(2, 1.97), (4, 3.92), (8, 7.80)])
+def test_fp8_capacity_at_deepseek_v3_shapes(tmp_path, n, goal):
+    """``--kv-cache-dtype fp8`` (and its spellings): one byte a latent value,
+    so the sharded FP8 cache holds >= goal x the unsharded FP8 cache and
+    about 2 x that of the bf16 one; by hand, as above."""
+    bf16 = capacity_json(tmp_path, "--tp", str(n))
+    for spelling in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        got = capacity_json(tmp_path, "--tp", str(n), "--kv-cache-dtype", spelling)
+        page, budget, layers = 64 * 576, 64 * 2**30, 61
+        scratch = budget // (100 * page)
+        scratch -= scratch % n
+        assert got["scratch_blocks"] == scratch
+        assert got["unsharded"] == budget // (layers * page) * 64
+        assert abs(got["unsharded"] - 2 * bf16["unsharded"]) <= 64  # one block of rounding
+        assert got["sharded"] == (budget - scratch * page) // (layers * page) * 64 * n
+        assert got["ratio"] >= goal, got
+        assert got["sharded"] / bf16["unsharded"] >= 2 * goal - 0.01

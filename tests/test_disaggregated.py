@@ -142,7 +142,7 @@ class Servers:
     decode in namespaces of their own where they can be made (tests/hosts.py),
     the proxy, the fake peers and the test's client in the root namespace."""
 
-    def __init__(self, model, transport, workdir, topo):
+    def __init__(self, model, transport, workdir, topo, decode_tp=DECODE_TP, sharded=False):
         self.model, self.transport, self.dir, self.topo = model, transport, workdir, topo
         self.pp, self.dp, self.xp = free_port(), free_port(), free_port()
         self.side = free_port(consecutive=2)
@@ -151,7 +151,8 @@ class Servers:
         self._role = {self.pp: "prefill", self.dp: "decode", self.xp: "proxy"}
         bin_dir = os.path.dirname(sys.executable)
         env = {**os.environ, **CPU_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-               "EXPIRY_S": str(EXPIRY_S), "EXTRA_ARGS": EXACT_ARGS, "BLOCK_SIZE": "16"}
+               "EXPIRY_S": str(EXPIRY_S), "EXTRA_ARGS": EXACT_ARGS, "BLOCK_SIZE": "16",
+               "EAGER": "1"}
         env.pop("VLLM_CP_KV_SIDE_CHANNEL_SECRET", None)
         if transport in SECRET:
             env["VLLM_CP_KV_SIDE_CHANNEL_SECRET"] = SECRET[transport]
@@ -164,8 +165,9 @@ class Servers:
         allowed = [f"{self.host['prefill']}:{self.side}", f"{self.host['proxy']}:{self.fake}"]
         self._start("decode", ["bash", f"{EXAMPLES}/start_decode.sh", model, str(self.dp),
                                transport],
-                    {**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind" if DECODE_TP == 1 else "0|1",
-                     "TP": str(DECODE_TP), "ALLOWED_PREFILL_HOSTS": json.dumps(allowed),
+                    {**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind" if decode_tp == 1 else "0|1",
+                     "TP": str(decode_tp), "ALLOWED_PREFILL_HOSTS": json.dumps(allowed),
+                     **({"SHARDED": "1"} if sharded else {}),
                      # the test hooks of the negative control and the kill
                      # mid-transfer (scripts/gpu/onegpu/pd_hooks.py)
                      **harness_env(CPKV_TEST_HOOKS="1")})
@@ -283,6 +285,24 @@ def test_sharded_prefill_to_unsharded_decode_matches_single_instance(servers, re
         assert scrape(servers.url(servers.pp), "vllm:cp_kv_shard_size", rank=rank) == [2.0]
         assert scrape(servers.url(servers.pp), "vllm:cp_kv_logical_capacity_tokens", rank=rank)[0] > 0
         assert sum(scrape(servers.url(servers.pp), "vllm:cp_kv_steps_total", rank=rank)) > 0
+    # streamed through the proxy (what `vllm bench serve` sends): the same text
+    assert streamed_text(servers, texts[0]) == reference["texts"][0]
+    servers.moved.append(reference["prompt_lens"][0])
+
+
+def streamed_text(servers, prompt):
+    """The text of a ``"stream": true`` completion through the proxy, from
+    its server-sent events (more than one: it was streamed)."""
+    body = {"model": servers.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": True}
+    req = urllib.request.Request(f"{servers.url(servers.xp)}/v1/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.headers.get("content-type", "").startswith("text/event-stream")
+        events = [line[len(b"data: "):].strip() for line in r if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]" and len(events) > 2, events
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
 
 
 def decode_log_has(servers, phrase, timeout=30):
@@ -539,3 +559,41 @@ def test_prefill_killed_mid_transfer(servers):
     assert status != 200, out
     decode_log_has(servers, "failed to receive its KV")
     decode_serves_on(servers)
+
+
+@opt_in
+def test_sharded_decode_through_the_example_scripts(tiny_dsv2, reference, topo, tmp_path):
+    """``SHARDED=1 TP=2`` on the example decode (start_decode.sh), the
+    prefill and the decode on hosts of their own where namespaces can be
+    made: the single instance's tokens; each decode rank receives exactly the
+    blocks it owns (block j on rank j mod 2: its log lines and its /metrics);
+    a prefill killed mid-transfer fails that request and leaves no block held
+    (the decode's KV usage back to 0)."""
+    import re
+
+    from vllm_cp_kv.tools.tiny_model import prompts
+
+    s = Servers(tiny_dsv2, "nixl", str(tmp_path), topo, decode_tp=2, sharded=True)
+    try:
+        for i, text in enumerate(prompts(len(reference["tokens"]))):
+            status, out = s.completion(s.xp, text)
+            assert status == 200, out
+            assert out["choices"][0]["token_ids"] == reference["tokens"][i], f"prompt {i}"
+        got = {0: [], 1: []}
+        for m in re.finditer(r"received (\d+) tokens \((\d+) blocks.* \(decode rank (\d)/2",
+                             s.log("decode")):
+            got[int(m[3])].append((int(m[1]), int(m[2])))
+        for d in (0, 1):
+            owned = [[j for j in range(-(-n // 16)) if j % 2 == d] for n in reference["prompt_lens"]]
+            want = sorted((sum(min(16, n - 16 * j) for j in js), len(js))
+                          for n, js in zip(reference["prompt_lens"], owned))
+            assert sorted(got[d]) == want, (d, got[d])
+            blocks = sum(len(js) for js in owned)
+            wait_until(lambda d=d, b=blocks: sum(scrape(
+                s.url(s.dp), "vllm:cp_kv_transfer_blocks_total", role="decode",
+                rank=str(d))) == b, 30, f"decode rank {d}'s {blocks} blocks in /metrics")
+        wait_until(lambda: kv_usage(s.url(s.dp)) == 0.0, 60, "decode KV usage 0")
+        # decode rank 1 reads its blocks after the pause, from the killed rank
+        test_prefill_killed_mid_transfer(s)
+    finally:
+        s.stop()

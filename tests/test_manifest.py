@@ -122,3 +122,47 @@ def test_read_descriptors_are_the_maximal_contiguous_ranges(size):
                 per_cache += reads
             assert read_descriptors(runs, [b[0] for b in bases], [b[1] for b in bases],
                                     pages) == per_cache
+
+
+@pytest.mark.parametrize("n_p,n_d", [(1, 2), (2, 2), (2, 4), (4, 2), (3, 2)])
+def test_each_decode_rank_reads_exactly_its_owned_blocks(n_p, n_d):
+    """A sharded decode of ``n_d`` ranks: over its ranks, every logical
+    block is read exactly once, by the decode rank that owns it (j % n_d),
+    into its virtual table's column j // n_d, from the prefill rank that
+    holds it, against a brute-force placement; the decode's own prefix-cache
+    hits (leading columns) are read by no rank. Negative control: a rank
+    that takes its neighbour's share reads blocks another rank owns."""
+    from vllm_cp_kv.core.manifest import for_decode_rank
+    from vllm_cp_kv.core.ownership import CPShardSpec
+
+    rng = random.Random(10 * n_p + n_d)
+    for _ in range(40):
+        num_tokens = rng.randint(1, 40 * BS)
+        n = -(-num_tokens // BS)
+        table = rng.sample(range(1000), -(-n // n_p))  # the prefill's virtual table
+        manifests = {r: validate_manifest(owned_manifest(r, n_p, BS, table, num_tokens),
+                                          r, n_p, n, 1000) for r in range(n_p)}
+        check_complete(manifests, n)
+        local = rng.sample(range(2000, 3000), -(-n // n_d))  # the decode's virtual table
+        cached = rng.choice([0, 0, min(2, len(local) - 1)])
+        read = {}
+        for d in range(n_d):
+            mine = for_decode_rank(manifests, CPShardSpec(d, n_d, BS), first_column=cached)
+            for r, entries in mine.items():
+                for j, b in entries:
+                    assert j not in read
+                    read[j] = (d, r, b, local[j // n_d])
+                runs = merge_runs(entries, local, decode_size=n_d)
+                assert sorted(run.local_start + k for run in runs
+                              for k in range(run.num_blocks)) == sorted(
+                    local[j // n_d] for j, _ in entries)
+        want = {j: (j % n_d, j % n_p, table[j // n_p], local[j // n_d])
+                for j in range(n) if j // n_d >= cached}
+        assert read == want
+        if n - cached * n_d >= 2:  # negative control: each rank its neighbour's share
+            wrong = {}
+            for d in range(n_d):
+                other = CPShardSpec((d + 1) % n_d, n_d, BS)
+                for r, entries in for_decode_rank(manifests, other, cached).items():
+                    wrong.update({j: (d, r, b, local[j // n_d]) for j, b in entries})
+            assert wrong.keys() == want.keys() and wrong != want

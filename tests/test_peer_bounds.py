@@ -279,9 +279,11 @@ def test_a_slow_fake_peer_with_many_ranks_holds_a_request_one_deadline():
         parse_params(too_many, cfg)
 
 
-def test_a_decode_beyond_loopback_without_allow_list_or_secret_refuses_to_start(monkeypatch):
+def test_a_decode_beyond_loopback_without_allow_list_refuses_to_start(monkeypatch):
     """The decode's host: side_channel_host or VLLM_HOST_IP where set, else
-    the machine's address as vLLM takes it (``get_ip()``, passed here)."""
+    the machine's address as vLLM takes it (``get_ip()``, passed here). A
+    shared secret alone does not let it start: clients would still choose
+    the hosts and ports it connects to."""
     monkeypatch.delenv(sc.SECRET_ENV, raising=False)
     monkeypatch.delenv("VLLM_HOST_IP", raising=False)
 
@@ -301,8 +303,12 @@ def test_a_decode_beyond_loopback_without_allow_list_or_secret_refuses_to_start(
         check_decode_exposure(ok, machine)
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")  # a loopback-only setup, as the tests'
     check_decode_exposure(cfg(), "10.1.2.3")
+    monkeypatch.delenv("VLLM_HOST_IP")
     monkeypatch.setenv(sc.SECRET_ENV, "a-deployment-secret-of-32-bytes!")
-    check_decode_exposure(cfg(side_channel_host="10.1.2.3"), None)
+    with pytest.raises(ValueError, match="a shared secret authenticates"):
+        check_decode_exposure(cfg(side_channel_host="10.1.2.3"), None)
+    check_decode_exposure(cfg(side_channel_host="10.1.2.3",
+                              allowed_prefill_hosts=["10.1.2.4:5700"]), None)
     with pytest.raises(ValueError, match="allow_any_prefill must be true or false"):
         cfg(allow_any_prefill="yes")
 

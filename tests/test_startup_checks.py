@@ -68,6 +68,18 @@ def test_every_documented_row_has_a_test():
     assert tested == set(DOC), (sorted(tested), sorted(DOC))
 
 
+def test_row_vllm_version(tiny_dsv2, monkeypatch):
+    import vllm
+
+    from vllm_cp_kv.integration.checks import check_vllm_version
+
+    for version in ("0.34.0", "0.33.1+cu130", "1.0.0"):
+        monkeypatch.setattr(vllm, "__version__", version)
+        expect_row("vllm-version", tiny_dsv2)
+    for version in ("0.32.0", "0.32.0+cpu", "0.32.3rc1", "dev"):
+        check_vllm_version(version)  # supported, or no version to judge
+
+
 def test_row_non_mla(tiny_llama):
     expect_row("non-mla", tiny_llama, tensor_parallel_size=4)
 
@@ -391,12 +403,13 @@ def test_row_amx_q_replicate(tiny_dsv2, monkeypatch):
     config(tiny_dsv2, dcp_q_replicate=True, attention_config={"backend": "CPU_MLA"})
 
 
-def test_row_pd_sharded_decode(tiny_dsv2):
-    from vllm_cp_kv.tools.offline import kv_transfer_config
+def test_row_fp8_dense(tiny_dsv2, dsv32_model, monkeypatch):
+    for spelling in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        expect_row("fp8-dense", tiny_dsv2, kv_cache_dtype=spelling)
+    from vllm_cp_kv.integration.checks import check_kv_cache_dtype
 
-    expect_row("pd-sharded-decode", tiny_dsv2,
-               kv_transfer_config=kv_transfer_config("kv_consumer"))
-    config(tiny_dsv2, kv_transfer_config=kv_transfer_config("kv_producer"))  # the prefill
+    check_kv_cache_dtype("fp8_ds_mla", sparse=True)  # DeepSeek-V3.2's: admitted
+    check_kv_cache_dtype("auto", sparse=False)
 
 
 def test_row_scratch_cap():

@@ -78,8 +78,8 @@ def receive(transport, layout, infos, ignore_positions=False):
     if ignore_positions:
         manifests = without_positions(manifests)
     page = [c[0].numel() * c.element_size() for c in caches]  # bytes per block
-    descriptors = read_owned_blocks(t, manifests, infos, local_ids,
-                                    [c.data_ptr() for c in caches], page, timeout_s=60)
+    descriptors, _ = read_owned_blocks(t, manifests, infos, local_ids,
+                                       [c.data_ptr() for c in caches], page, timeout_s=60)
     return [c[local_ids[0]:local_ids[0] + n] for c in caches], descriptors
 
 

@@ -1,12 +1,16 @@
 """Transfer manifests for disaggregated prefill with sharded KV.
 
 Each prefill rank of a shard group sends only the blocks it owns, each with
-its explicit logical position in the request; a decode instance without
-sharding writes logical block ``j`` into its own block-table slot ``j``.
+its explicit logical position in the request; each decode rank takes the
+blocks it owns in its own layout and writes logical block ``j`` into its
+block-table slot ``j // N_d`` (an unsharded decode: ``N_d = 1``, every
+block, slot ``j``):
 
     manifest of rank r = [(j, remote_block)] for every logical block j of
                          the request with owner(j) == r,
-                         remote_block = virtual_table[j // N]     (on rank r)
+                         remote_block = virtual_table[j // N_p]   (on rank r)
+    decode rank d reads  the entries with j % N_d == d            (:func:`for_decode_rank`)
+                         into local_table[j // N_d]
 
 The receiver checks every entry (:func:`validate_manifest`) before any byte
 moves, checks that the union over ranks fills each position exactly once
@@ -107,12 +111,29 @@ def check_complete(manifests: dict[int, list[tuple[int, int]]],
             f"blocks {missing[:8]}, duplicated {twice[:8]}.")
 
 
-def merge_runs(entries: list[tuple[int, int]], local_block_ids: list[int]) -> list[Run]:
+def for_decode_rank(manifests: dict[int, list[tuple[int, int]]], decode: CPShardSpec,
+                    first_column: int = 0) -> dict[int, list[tuple[int, int]]]:
+    """The entries decode rank ``decode.rank`` of ``decode.size`` reads: the
+    logical blocks it owns (the same cyclic rule, over the decode's own
+    ranks), from column ``first_column`` of its virtual table on (the
+    columns before hold its own prefix-cache hits, which it keeps). Every
+    prefill rank's list, in order; an unsharded decode (size 1) reads all."""
+    return {r: [(j, b) for j, b in entries
+                if int(decode.owner_of(j)) == decode.rank
+                and int(decode.table_index(j)) >= first_column]
+            for r, entries in manifests.items()}
+
+
+def merge_runs(entries: list[tuple[int, int]], local_block_ids: list[int],
+               decode_size: int = 1) -> list[Run]:
     """Merge entries (sorted by logical block) into maximal runs where both
-    the remote and the local block ids are consecutive."""
+    the remote and the local block ids are consecutive. Logical block ``j``
+    lands in ``local_block_ids[j // decode_size]`` (the decode rank's
+    virtual table: one column holds ``decode_size`` logical blocks, one a
+    rank)."""
     runs: list[Run] = []
     for j, remote in entries:
-        local = int(local_block_ids[j])
+        local = int(local_block_ids[j // decode_size])
         if runs:
             last = runs[-1]
             if (remote == last.remote_start + last.num_blocks

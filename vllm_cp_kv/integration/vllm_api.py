@@ -59,6 +59,8 @@ no.    target (vLLM 0.32)                                      how
 24     ``split_decodes_and_prefills``,                         calls
        ``build_mla_chunked_context_metadata``,
        ``cp_lse_ag_out_rs`` / ``_ar``, ``max_decode_query_len``
+25     ``EngineCoreProc._process_engine_step``, its            rebinds, calls
+       ``input_queue`` and ``_handle_client_request``
 =====  ======================================================  ==============
 
 Why each rebinding is needed: ``plugin.py``'s docstring. Items 16-24 are
@@ -71,6 +73,23 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import dataclass
+
+# -- the vLLM releases this registry was checked against ----------------------
+# (major, minor): 0.32 on CPU (CI) and GPU (one H200). vLLM 0.33 and 0.34
+# (what `pip install vllm` gives GPU users today) have not been run with the
+# plugin: refused at startup (checks.check_vllm_version) until they are.
+SUPPORTED_VLLM = ((0, 32),)
+
+
+def vllm_release(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a vLLM version string (``0.32.0``,
+    ``0.32.0+cpu``, ``0.34.1rc1``), None where it does not parse (a source
+    build without a version)."""
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(m[1]), int(m[2])) if m else None
+
 
 # -- the names the plugin passes or overrides with, one tuple each --------
 _MLA = "vllm.model_executor.layers.attention.mla_attention"
@@ -263,6 +282,16 @@ REGISTRY = (
               signatures=((f"{_MLA}:build_mla_chunked_context_metadata", CHUNKED_CONTEXT),
                           ("vllm.v1.attention.ops.dcp:cp_lse_ag_out_rs", LSE_MERGE),
                           ("vllm.v1.attention.ops.dcp:cp_lse_ag_out_ar", LSE_MERGE))),
+    Rebinding(25, ("vllm.v1.engine.core:EngineCoreProc._process_engine_step",
+                   "vllm.v1.engine.core:EngineCoreProc._handle_client_request",
+                   "vllm.v1.engine.core:EngineCoreProc.__init__",
+                   "vllm.v1.core.sched.scheduler:Scheduler.has_requests",
+                   "vllm.v1.core.sched.scheduler:Scheduler.__init__"),
+              signatures=(("vllm.v1.engine.core:EngineCoreProc._handle_client_request",
+                           ("request_type", "request")),),
+              assigns_in=(("vllm.v1.engine.core:EngineCoreProc.__init__", ("input_queue",)),
+                          ("vllm.v1.core.sched.scheduler:Scheduler.__init__",
+                           ("connector",)))),
 )
 
 

@@ -39,6 +39,8 @@ def model_kv_layout(model_dir: str, dtype: str, kv_cache_dtype: str) -> dict:
     width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
     if kv_cache_dtype == "fp8_ds_mla":
         latent = FP8_DS_MLA_BYTES
+    elif kv_cache_dtype.startswith("fp8"):  # fp8, fp8_e4m3, fp8_e5m2: one byte a value
+        latent = width  # (vLLM keeps the scale per layer, outside the cache)
     else:
         size = DTYPE_BYTES.get(dtype) or {"bfloat16": 2, "float16": 2, "float32": 4}.get(
             str(cfg.get("torch_dtype", "bfloat16")), 2)
@@ -96,7 +98,9 @@ def main(argv=None) -> int:
     c.add_argument("--block-size", type=int, default=16,
                    help="16 with CPU_MLA, 32+ with AMX_MLA, 64 with FLASHMLA")
     c.add_argument("--dtype", default="auto", choices=sorted(DTYPE_BYTES))
-    c.add_argument("--kv-cache-dtype", default="auto")
+    c.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model dtype), fp8 / fp8_e4m3 / fp8_e5m2 (one byte a "
+                        "value), fp8_ds_mla (DeepSeek-V3.2's packed latent)")
     c.add_argument("--max-model-len", type=int, default=None)
     c.add_argument("--max-num-seqs", type=int, default=256)
     c.add_argument("--max-scratch-blocks", type=int, default=0)

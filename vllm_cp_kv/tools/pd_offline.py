@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import os
 import signal
 import subprocess
@@ -110,7 +111,8 @@ def _llm(a, role: str):
         kw["kv_extra"] = {"transport": a.transport, "side_channel_port": a.port,
                           "blocks_expiry_s": a.blocks_expiry,
                           "transfer_timeout_s": a.transfer_timeout}
-    return build_llm(a.model, shard=role == "prefill", **kw)
+    shard = (role == "prefill" and not a.prefill_plain) or (role == "decode" and a.decode_shard)
+    return build_llm(a.model, shard=shard, **kw)
 
 
 def _sampling(a, params=None, max_tokens=None):
@@ -191,6 +193,13 @@ def _page_bytes(llm) -> int:
             * torch.tensor([], dtype=dtype).element_size())
 
 
+def _capacity(llm) -> int:
+    """Tokens of KV the instance holds (one block spans its DCP ranks)."""
+    cfg = llm.llm_engine.vllm_config
+    return (cfg.cache_config.num_gpu_blocks * cfg.cache_config.block_size
+            * cfg.parallel_config.decode_context_parallel_size)
+
+
 def role_reference(a):
     llm = _llm(a, "reference")
     waves = [_result(llm.generate(w, _sampling(a))) for w in _waves(a, llm)]
@@ -264,6 +273,7 @@ def role_decode(a):
                 "page_bytes": _page_bytes(llm),
                 "spec_decode": spec_decode_counters(llm) if a.spec else None,
                 "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+                "capacity_tokens": _capacity(llm),
                 "cache_empty_after_s": _cache_empty(llm, 30)}
     finally:
         open(os.path.join(a.workdir, "decode.done"), "w").close()
@@ -285,9 +295,12 @@ def _spawn(a, role: str):
             str(i) for i in range(a.prefill_pcp * a.prefill_tp if role == "prefill"
                                   else a.decode_tp))}
     else:
-        two = role == "prefill" or a.decode_tp == 2
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1" if two else
-               ("1" if role == "decode" else "0")}
+        tp = a.prefill_tp if role == "prefill" else a.decode_tp  # the reference: the decode's
+        if tp > 2:  # more ranks than cores: one thread each, unbound
+            env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        else:
+            env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else
+                   ("1" if role == "decode" else "0")}
     log = open(os.path.join(a.workdir, f"{role}.log"), "w")
     return subprocess.Popen(argv, env={**os.environ, **env}, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -302,21 +315,34 @@ def _kill(proc) -> None:
             pass
 
 
-def _received(path: str, waves: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Per wave: tokens the decode reported received, and tokens of leading
-    blocks its own prefix cache held (not read), from its log."""
-    received = [[] for _ in range(waves)]
-    cached = [[] for _ in range(waves)]
+RECEIVED = re.compile(r"cp_kv connector: request (\S+) received (\d+) tokens \((\d+) blocks")
+CACHED = re.compile(r"; (\d+) leading blocks")
+RANK = re.compile(r"\(decode rank (\d+)/\d+")
+
+
+def _received(path: str, waves: int) -> list[list[dict]]:
+    """Per wave, one entry per pull the decode logged (one per request and
+    decode rank): request, tokens and blocks received, leading blocks its
+    own prefix cache held (not read), and the decode rank (0 unsharded)."""
+    pulls = [[] for _ in range(waves)]
     k = 0
     with open(path) as f:
         for line in f:
             if line.startswith(WAVE_MARK):
                 k = int(line.split()[-1]) - 1
-            elif "cp_kv connector: request" in line and " received " in line:
-                received[k].append(int(line.split(" received ")[1].split(" tokens")[0]))
-                tail = line.split("; ")[-1] if "leading blocks" in line else ""
-                cached[k].append(int(tail.split()[0]) if tail else 0)
-    return received, cached
+                continue
+            m = RECEIVED.search(line)
+            if m:
+                cached, rank = CACHED.search(line), RANK.search(line)
+                pulls[k].append({"request": m[1], "tokens": int(m[2]), "blocks": int(m[3]),
+                                 "cached": int(cached[1]) if cached else 0,
+                                 "rank": int(rank[1]) if rank else 0})
+    return pulls
+
+
+def _owned_blocks(prompt_len: int, block_size: int, size: int, rank: int) -> int:
+    """Blocks of a prompt that decode rank ``rank`` of ``size`` owns."""
+    return len(range(rank, math.ceil(prompt_len / block_size), size))
 
 
 def _wait_for(path: str, proc, timeout_s: float) -> None:
@@ -383,6 +409,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="GPU: every instance in vLLM's default CUDA-graph mode")
+    ap.add_argument("--decode-shard", action="store_true",
+                    help="the decode instance shards its KV too (cp_kv over its TP ranks): "
+                         "each decode rank pulls only the blocks it owns")
+    ap.add_argument("--prefill-plain", action="store_true",
+                    help="the prefill instance does not shard (cp_kv off; its connector "
+                         "serves one rank's whole cache)")
+    ap.add_argument("--summarize", action="store_true",
+                    help="only write WORKDIR/pd_result.json from the roles' results there "
+                         "(a run stopped after every role had written its own; the same "
+                         "arguments as the run)")
     a = ap.parse_args(argv)
     gpu = a.device == "cuda"
     a.prefill_tp = a.prefill_tp or (1 if gpu else 2)
@@ -408,10 +444,21 @@ def main() -> None:
         with open(os.path.join(a.workdir, f"{a.role}.json"), "w") as f:
             json.dump(res, f)
         return
-    out = run_all(a)
+    out = summarize_only(a) if a.summarize else run_all(a)
     print("PD_RESULT", json.dumps(out))
     if a.strict and not all((out.get("checks") or {"ran": False}).values()):
         sys.exit(1)
+
+
+def summarize_only(a) -> dict:
+    """pd_result.json from a workdir whose roles all finished (their
+    ``*.json`` and logs there) but whose driver was stopped before it wrote
+    the summary; ``rc`` is unknown then (None)."""
+    out = {**_facts(a), "rc": None, "summarized_after_the_run": True}
+    out.update(_summarize(a))
+    with open(os.path.join(a.workdir, "pd_result.json"), "w") as f:
+        json.dump(out, f)
+    return out
 
 
 def run_all(a) -> dict:
@@ -435,12 +482,7 @@ def run_all(a) -> dict:
     finally:  # a timeout or a dead peer must not leave engines behind
         for proc in procs:
             _kill(proc)
-    out = {"device": a.device, "transport": a.transport, "prefill_tp": a.prefill_tp,
-           "prefill_pcp": a.prefill_pcp, "decode_tp": a.decode_tp, "dtype": a.dtype,
-           "backend": a.backend, "block_size": a.block_size, "waves": a.waves,
-           "max_num_seqs": a.max_num_seqs, "cpu_rope_kernel": a.cpu_rope_kernel,
-           "spec": json.loads(a.spec) if a.spec else None,
-           "rc": [ref.returncode, rc_p, rc_d],
+    out = {**_facts(a), "rc": [ref.returncode, rc_p, rc_d],
            "wall_s": round(time.time() - t0, 1)}
     if out["rc"] == [0, 0, 0]:
         out.update(_summarize(a))
@@ -449,39 +491,61 @@ def run_all(a) -> dict:
     return out
 
 
+def _facts(a) -> dict:
+    return {"device": a.device, "transport": a.transport, "prefill_tp": a.prefill_tp,
+            "prefill_pcp": a.prefill_pcp, "decode_tp": a.decode_tp, "dtype": a.dtype,
+            "backend": a.backend, "block_size": a.block_size, "waves": a.waves,
+            "max_num_seqs": a.max_num_seqs, "max_tokens": a.max_tokens,
+            "cpu_rope_kernel": a.cpu_rope_kernel,
+            "spec": json.loads(a.spec) if a.spec else None}
+
+
 def _summarize(a) -> dict:
     def load(name):
         with open(os.path.join(a.workdir, f"{name}.json")) as f:
             return json.load(f)
 
     r, d, p = load("reference"), load("decode"), load("prefill")
-    received, cached = _received(os.path.join(a.workdir, "decode.log"), a.waves)
+    pulls = _received(os.path.join(a.workdir, "decode.log"), a.waves)
+    bs = d["block_size"]
+    # an unsharded decode's every rank receives every block; a sharded one's
+    # each rank the blocks it owns
+    copies = 1 if a.decode_shard else a.decode_tp
     waves = []
     for k in range(a.waves):
         rw, dw, pw = r["waves"][k], d["waves"][k], p["waves"][k]
-        # received plus the decode's own cache hits (one line per decode rank)
-        covered = [x + c * d["block_size"] for x, c in zip(received[k], cached[k])]
-        waves.append({
+        # received plus the decode's own cache hits, summed over its ranks
+        covered: dict[str, int] = {}
+        for x in pulls[k]:
+            covered[x["request"]] = covered.get(x["request"], 0) + x["tokens"] + x["cached"] * bs
+        wave = {
             "identical": sum(x == y for x, y in zip(rw["tokens"], dw["tokens"])),
             "prompts": len(rw["tokens"]), "prompt_lens": rw["prompt_lens"],
-            "received_tokens": sorted(received[k]),
+            "received_tokens": sorted(x["tokens"] for x in pulls[k]),
             "all_prompt_tokens_arrived":
-                sorted(covered) == sorted(rw["prompt_lens"] * a.decode_tp),
+                sorted(covered.values()) == sorted(n * copies for n in rw["prompt_lens"]),
             "prefill_prefix_cache_hits": pw["prefix_cache_hits"],
             "prefill_prefix_cache_queries": pw["prefix_cache_queries"],
             "prefill_num_cached_tokens": pw["num_cached_tokens"],
             "first_diff": [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y),
                                 None if len(s) == len(t) else min(len(s), len(t)))
-                           for s, t in zip(rw["tokens"], dw["tokens"])]})
+                           for s, t in zip(rw["tokens"], dw["tokens"])]}
+        if a.decode_shard:  # each rank exactly the blocks it owns, of every prompt
+            want = sorted((rank, _owned_blocks(n, bs, a.decode_tp, rank))
+                          for n in rw["prompt_lens"] for rank in range(a.decode_tp))
+            wave["blocks_per_decode_rank_exact"] = \
+                sorted((x["rank"], x["blocks"] + x["cached"]) for x in pulls[k]) == want
+        waves.append(wave)
     # the bytes of the blocks moved: every block of every prompt, read by every
     # decode rank, less the blocks a decode's own prefix cache held
     all_lens = [n for k in range(a.waves) for n in r["waves"][k]["prompt_lens"]]
-    blocks = (sum(math.ceil(n / d["block_size"]) for n in all_lens) * a.decode_tp
-              - sum(sum(c) for c in cached))
+    blocks = (sum(math.ceil(n / bs) for n in all_lens) * copies
+              - sum(x["cached"] for w in pulls for x in w))
     expected_bytes = blocks * d["page_bytes"]
     metrics = d["transfer_metrics"]
     out = {**{k: waves[0][k] for k in ("identical", "prompts", "prompt_lens",
                                        "received_tokens", "first_diff")},
+           "decode_tokens": d["waves"][0]["tokens"],  # to compare runs (transports)
            "decode_num_cached_tokens": d["num_cached_tokens"],
            # the prefill's own first token against the reference's
            "prefill_first_token_same": [t == toks[0] for t, toks in
@@ -500,6 +564,10 @@ def _summarize(a) -> dict:
         "transfers_counted": metrics["ok"] == n * a.decode_tp and metrics["failed"] == 0,
         "transfer_bytes_exact": metrics["bytes"] == expected_bytes,
     }
+    if a.decode_shard:
+        out["checks"]["blocks_per_decode_rank_exact"] = all(
+            w["blocks_per_decode_rank_exact"] for w in waves)
+        out["decode_capacity_tokens"] = d.get("capacity_tokens")
     if a.spec:  # the draft layer's KV arrived: the decode's drafts are accepted as
         # the reference's (the decode drafts once more per request: its first
         # step proposes what the reference proposed after its own prefill)

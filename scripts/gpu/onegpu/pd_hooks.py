@@ -17,7 +17,10 @@ the decode honours two more keys of a request's ``kv_transfer_params``:
 
 ``CPKV_TEST_IGNORE_POSITIONS=1`` as well drops the positions of every pull
 of the process (``pd_offline``, whose params come from its prefill:
-benchmarks/gpu_onegpu.py, run ``pd-pcp2-nixl-dropped``).
+benchmarks/gpu_onegpu.py, run ``pd-pcp2-shard2-nixl-dropped``).
+``CPKV_TEST_WRONG_DECODE_RANK=1``: a sharded decode rank takes the blocks
+the next decode rank owns (the consumer's ``for_decode_rank`` asked for
+rank + 1): the negative control of a sharded decode, tests/test_pd_sharded_decode.py.
 
 How: ``TransferParams`` ignores unknown keys, so the keys reach the decode's
 scheduler, where ``scheduler.check_params`` parses the raw dict; only the
@@ -102,6 +105,16 @@ def patch_consumer(m) -> None:
 
     m.Consumer.receive = hooked_receive
     m.check_complete, m.read_owned_blocks = hooked_check_complete, hooked_read
+    if os.environ.get("CPKV_TEST_WRONG_DECODE_RANK") == "1":
+        share = m.for_decode_rank
+
+        @functools.wraps(share)
+        def wrong_rank(manifests, decode, first_column=0):
+            other = type(decode)((decode.rank + 1) % decode.size, decode.size,
+                                 decode.block_size)
+            return share(manifests, other, first_column)
+
+        m.for_decode_rank = wrong_rank
 
 
 def _pause(logger, req_id: str, pause_s: float, rank: int) -> None:

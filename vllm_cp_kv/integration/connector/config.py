@@ -34,7 +34,10 @@ class ConnectorConfig:
     port: int = 5700  # prefill rank r serves on port + r
     timeout_s: float = 30.0  # decode: a request's side-channel exchange, and every read
     expiry_s: float = 120.0  # prefill: unclaimed blocks are freed after this
-    idle_step_s: float = 1.0  # pause of an empty engine step while transfers are pending
+    # longest wait of an idle engine (only transfers pending) for a client
+    # request before it steps again to poll the transfers; a request, an abort
+    # or any other client call ends the wait at once (plugin.py item 25)
+    idle_step_s: float = 1.0
     secret: bytes | None = field(default=None, repr=False)
     # decode: prefill hosts (``host`` or ``host:port``) the params may name; None: any
     allowed_prefill_hosts: tuple[str, ...] | None = None
@@ -88,24 +91,28 @@ class ConnectorConfig:
 def check_decode_exposure(cfg: ConnectorConfig, machine_host: str | None = None) -> None:
     """A decode (kv_consumer) reachable beyond this host fetches from
     whatever prefill a client's ``kv_transfer_params`` name (it connects to
-    any host and port, and holds the request while a silent listener lets it
-    wait): refuse to start without an allow-list or a secret, unless
-    ``allow_any_prefill`` says so. Loopback-only setups are unchanged.
+    any host and up to ``max_shard_size`` ports, and holds the request while
+    a silent listener lets it wait): off loopback it refuses to start
+    without an allow-list of prefill hosts, unless ``allow_any_prefill``
+    says so. A shared secret alone is not enough: it authenticates the
+    prefills that answer, but clients still choose where the decode
+    connects (a port scan from the decode's host). Loopback-only setups are
+    unchanged.
 
     The decode's host: ``side_channel_host`` or ``VLLM_HOST_IP`` where set
     (``cfg.host``), else ``machine_host``, the address vLLM itself takes for
     this machine (``get_ip()``): vLLM's HTTP server and the transports'
     listeners are on the network by default."""
-    if cfg.allowed_prefill_hosts is not None or cfg.secret or cfg.allow_any_prefill:
+    if cfg.allowed_prefill_hosts is not None or cfg.allow_any_prefill:
         return
     host = cfg.host if cfg.host_set or machine_host is None else machine_host
     if not is_loopback(host):
         raise ValueError(
-            f"ShardedKVConnector: this decode runs on {host} (not loopback) with "
-            "neither allowed_prefill_hosts nor a side-channel secret, so any client could "
-            "make it connect to any host:port it names. Set allowed_prefill_hosts (the "
-            "prefill hosts it may fetch from) or a shared secret "
-            "(VLLM_CP_KV_SIDE_CHANNEL_SECRET), or \"allow_any_prefill\": true in "
+            f"ShardedKVConnector: this decode runs on {host} (not loopback) without "
+            "allowed_prefill_hosts, so any client could make it connect to any host and "
+            "ports it names (a shared secret authenticates the prefills that answer, not "
+            "where the decode connects). Set allowed_prefill_hosts (the prefill hosts, or "
+            "host:port, it may fetch from), or \"allow_any_prefill\": true in "
             "kv_connector_extra_config if every client is trusted (docs/disaggregated.md, "
             "Security).")
 

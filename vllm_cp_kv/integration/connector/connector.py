@@ -30,13 +30,10 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.shard_size = group_size_of(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         self.engine_id = kv.engine_id
-        # every decode TP rank holds the whole (replicated) latent cache and
-        # pulls every block; the prefill frees once all of them are done
+        # every decode TP rank pulls: every block into its replicated latent
+        # cache (an unsharded decode), or the blocks it owns (a sharded
+        # decode); the prefill frees once all of them are done
         self.tp_size = parallel.tensor_parallel_size
-        if self.is_consumer and self.shard_size > 1:
-            raise ValueError(
-                "ShardedKVConnector: the decode (kv_consumer) instance must not be "
-                f"sharded (got shard size {self.shard_size}); drop cp_kv there.")
         if self.is_consumer:
             from vllm.utils.network_utils import get_ip
 
@@ -79,6 +76,12 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output) -> None:
         self._scheduler.update_connector_output(connector_output)
+
+    def cp_kv_idle_wait_s(self) -> float:
+        """How long an engine with only transfers pending waits for a client
+        call before stepping again (``idle_step_s``; plugin.py item 25): 0
+        while the workers have sends or receives to be told of."""
+        return 0.0 if self._scheduler.has_undelivered_meta() else self.cfg.idle_step_s
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler.has_pending_push_work()

@@ -1,6 +1,7 @@
 """Decode worker: pull one request's KV from every prefill rank.
 
-Per request, in its own thread: ask every prefill rank (side channel; the
+Per request, on one of at most ``MAX_PULL_THREADS`` threads (a bounded
+pool; more requests queue): ask every prefill rank (side channel; the
 whole exchange with all ranks under one ``transfer_timeout_s``, so a slow or
 fake peer holds a request that long at most, whatever ``shard_size`` it
 names) for its handshake and manifest with the request's transfer token (a
@@ -27,6 +28,7 @@ started: the request fails rather than read blocks the prefill may reuse.
 from __future__ import annotations
 
 import logging
+import queue
 import secrets
 import threading
 import time
@@ -34,8 +36,8 @@ from typing import Callable
 
 import msgspec
 
-from ...core.manifest import ManifestError, check_complete, validate_manifest
-from ...core.ownership import num_logical_blocks
+from ...core.manifest import ManifestError, check_complete, for_decode_rank, validate_manifest
+from ...core.ownership import CPShardSpec, num_logical_blocks
 from .counters import TransferCounters
 from .params import TransferParams
 from .side_channel import (MAX_WIRE_LEASE_S, Done, Fetch, FetchReply, Handshake, Ok,
@@ -51,6 +53,46 @@ FETCH_RETRY_S = 10.0
 # Done / Release are best effort (the prefill ends claims and frees blocks by
 # itself): a dead prefill must not hold the request this long per rank.
 NOTICE_TIMEOUT_S = 5.0
+# Pulls run on at most this many threads per decode rank; more wait in a
+# queue (each pull's deadlines start when it runs: a queued pull cannot
+# overrun a claim it has not made yet).
+MAX_PULL_THREADS = 8
+
+
+class PullPool:
+    """A bounded pool of daemon threads for the pulls: however many requests
+    a client sends, at most ``size`` threads, started as work comes; the rest
+    queue in order."""
+
+    def __init__(self, size: int = MAX_PULL_THREADS, name: str = "cp_kv-receive"):
+        self.size, self.name = size, name
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+
+    def submit(self, fn: Callable, *args) -> None:
+        self._work.put((fn, args))
+        with self._lock:
+            if self._idle == 0 and self._threads < self.size:
+                self._threads += 1
+                threading.Thread(target=self._serve, daemon=True, name=self.name).start()
+
+    @property
+    def threads(self) -> int:
+        return self._threads
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            fn, args = self._work.get()
+            with self._lock:
+                self._idle -= 1
+            try:
+                fn(*args)
+            except Exception as e:  # fn handles its own failures; never lose the thread
+                logger.error("cp_kv connector: a pull task failed: %r", e)
 
 
 class Consumer:
@@ -70,6 +112,7 @@ class Consumer:
         self._failed: set[str] = set()
         # a peer's unanswered notices (the failed request itself is one line each)
         self._notice_log = RateLimitedLog(logger)
+        self.pool = PullPool()
 
     def start(self, req_id: str, local_ids: list[int], params: TransferParams | None,
               error: str | None, ready=None) -> None:
@@ -80,8 +123,7 @@ class Consumer:
         first byte lands."""
         with self._lock:
             self._receiving += 1
-        threading.Thread(target=self._run, args=(req_id, local_ids, params, error, ready),
-                         daemon=True, name="cp_kv-receive").start()
+        self.pool.submit(self._run, req_id, local_ids, params, error, ready)
 
     def take_results(self) -> tuple[set[str], set[str]]:
         """(finished, failed) since the last call."""
@@ -125,13 +167,16 @@ class Consumer:
     def receive(self, req_id: str, local_ids: list[int], p: TransferParams,
                 ready=None) -> None:
         t0 = time.monotonic()
-        n_blocks = num_logical_blocks(p.remote_num_tokens, self.local.shard.block_size)
-        ids = list(local_ids[:n_blocks])
-        # blocks this decode's prefix cache holds (-1) lead the table; they are
+        shard = self.local.shard  # this decode rank's own layout (size 1: unsharded)
+        mine = CPShardSpec(shard.rank, shard.size, shard.block_size)
+        n_blocks = num_logical_blocks(p.remote_num_tokens, shard.block_size)
+        n_cols = -(-n_blocks // shard.size)  # columns of the decode's virtual table
+        ids = list(local_ids[:n_cols])
+        # columns this decode's prefix cache holds (-1) lead the table; they are
         # shared with other requests and must not be written
         cached = next((j for j, b in enumerate(ids) if b >= 0), len(ids))
         wanted = ids[cached:]
-        if (len(ids) < n_blocks or not wanted or min(wanted) < 0
+        if (len(ids) < n_cols or not wanted or min(wanted) < 0
                 or max(wanted) >= self.local.num_blocks):
             raise ManifestError(f"local block ids {local_ids[:8]} cannot hold {n_blocks} blocks")
         reader = secrets.token_hex(8)  # this pull's name in the prefill's claims
@@ -158,19 +203,19 @@ class Consumer:
                             "transport_meta": msgspec.structs.asdict(hs.transport_meta)}
                 # our clock started before theirs: the claim ends after this
                 start_by[r] = asked + reply.lease_s - bound
-            check_complete(manifests, n_blocks)
-            if cached:
-                manifests = {r: [(j, b) for j, b in m if j >= cached]
-                             for r, m in manifests.items()}
+            check_complete(manifests, n_blocks)  # every rank's together: the whole request
+            # this rank's share, past its own prefix-cache hits
+            manifests = for_decode_rank(manifests, mine, first_column=cached)
+            blocks = sum(len(m) for m in manifests.values())
             if ready is not None:  # vLLM's zeroing of the new blocks has run
                 ready.synchronize()
-            num_descs = read_owned_blocks(
+            num_descs, nbytes = read_owned_blocks(
                 self.transport, manifests, peers, local_ids, self.local.layer_addrs,
-                self.local.block_bytes, self.timeout_s, start_by=start_by)
+                self.local.block_bytes, self.timeout_s, start_by=start_by,
+                decode_size=shard.size)
             self._tell(clients, req_id, Done, p, reader, readers=self.tp_size)
             seconds = time.monotonic() - t0
-            self.counters.pull_ok(len(wanted) * sum(self.local.block_bytes), len(wanted),
-                                  seconds)
+            self.counters.pull_ok(nbytes, blocks, seconds)
         except ReadNotAborted:
             raise  # data may still land: the claims must run out by themselves
         except Exception:
@@ -181,12 +226,15 @@ class Consumer:
         finally:
             for client in clients:
                 client.close()
+        received = sum(min(shard.block_size, p.remote_num_tokens - j * shard.block_size)
+                       for m in manifests.values() for j, _ in m)
         logger.info("cp_kv connector: request %s received %d tokens (%d blocks, %d "
-                    "descriptors, %d bytes) from %d prefill ranks in %.3f s%s", req_id,
-                    p.remote_num_tokens - cached * self.local.shard.block_size, len(wanted),
-                    num_descs, len(wanted) * sum(self.local.block_bytes), p.shard_size,
-                    seconds, f"; {cached} leading blocks from this decode's prefix cache"
-                    if cached else "")
+                    "descriptors, %d bytes) from %d prefill ranks in %.3f s%s%s", req_id,
+                    received, blocks, num_descs, nbytes, p.shard_size, seconds,
+                    f"; {cached} leading blocks from this decode's prefix cache"
+                    if cached else "",
+                    f" (decode rank {shard.rank}/{shard.size}: its owned blocks)"
+                    if shard.size > 1 else "")
 
     def _fetch(self, client: SideChannelClient, p: TransferParams, reader: str,
                lease_s: float, exchange_end: float) -> tuple[float, FetchReply]:

@@ -28,7 +28,7 @@ from msgspec import Meta, Struct
 
 from ...core.ownership import CYCLIC, num_logical_blocks
 from .config import ConnectorConfig, host_allowed
-from .side_channel import MAX_BLOCKS, MAX_ID_CHARS, MAX_READERS, RequestId, Token
+from .side_channel import MAX_BLOCKS, MAX_ID_CHARS, MAX_READERS, RequestId, Token, redacted_repr
 
 CONNECTOR = "ShardedKVConnector"
 MAX_TOKENS = 1 << 26
@@ -54,6 +54,9 @@ class TransferParams(Struct, forbid_unknown_fields=False):
     # not used (see the module docstring); checked, then ignored
     remote_block_ids: Annotated[list[Annotated[int, Meta(ge=0, lt=1 << 31)]],
                                 Meta(max_length=MAX_BLOCKS)] | None = None
+
+    def __repr__(self) -> str:
+        return redacted_repr(self, "transfer_token")
 
 
 class ParamsError(ValueError):

@@ -69,6 +69,7 @@ MAX_FRAME_BYTES = 4 << 20  # a manifest of 100k blocks is about 1 MiB
 MAX_REQUEST_BYTES = 64 << 10  # a request (Fetch, Done, Release) is < 1 KiB
 REPLAY_WINDOW = 1 << 16  # request nonces a prefill rank remembers
 LOG_EVERY_S = 10.0  # at most one log line per this long for what peers cause
+MAX_DRAIN = 64  # messages a server answers before it runs its periodic task again
 MAX_ID_CHARS = 256  # vLLM request ids are ~50 characters
 MAX_BLOCKS = 1 << 20  # manifest entries, block ids
 MAX_CACHES = 1 << 14  # registered caches (layers x caches per layer)
@@ -92,6 +93,15 @@ U64 = Annotated[int, Meta(ge=0)]  # msgpack ints are at most 64-bit
 BlockId = Annotated[int, Meta(ge=0, lt=1 << 31)]
 
 
+def redacted_repr(struct, secret: str) -> str:
+    """``Type(field=value, ...)`` with the ``secret`` field's value hidden:
+    a transfer token is the key to its request's KV (docs/disaggregated.md,
+    Security), so no repr a log line may print shows it."""
+    parts = (f"{f}={'<redacted>' if f == secret else repr(getattr(struct, f))}"
+             for f in struct.__struct_fields__)
+    return f"{type(struct).__name__}({', '.join(parts)})"
+
+
 class Fetch(Struct, tag=True, forbid_unknown_fields=True):
     """Decode -> prefill: this request's handshake and manifest. Claims the
     blocks for ``lease_s`` (capped by the prefill) for reader ``reader``."""
@@ -101,6 +111,9 @@ class Fetch(Struct, tag=True, forbid_unknown_fields=True):
     token: Token
     reader: ReaderId
     lease_s: Annotated[float, Meta(gt=0, le=MAX_WIRE_LEASE_S)]
+
+    def __repr__(self) -> str:
+        return redacted_repr(self, "token")
 
 
 class Done(Struct, tag=True, forbid_unknown_fields=True):
@@ -113,6 +126,9 @@ class Done(Struct, tag=True, forbid_unknown_fields=True):
     reader: ReaderId
     readers: Annotated[int, Meta(ge=1, le=MAX_READERS)]
 
+    def __repr__(self) -> str:
+        return redacted_repr(self, "token")
+
 
 class Release(Struct, tag=True, forbid_unknown_fields=True):
     """Decode -> prefill: ``reader`` gave up (the request failed) and reads
@@ -122,6 +138,9 @@ class Release(Struct, tag=True, forbid_unknown_fields=True):
     request_id: RequestId
     token: Token
     reader: ReaderId
+
+    def __repr__(self) -> str:
+        return redacted_repr(self, "token")
 
 
 class TransportMeta(Struct, forbid_unknown_fields=True):
@@ -283,11 +302,25 @@ class _ZapHandler:
 
     def _loop(self) -> None:
         while True:
-            frames = self._sock.recv_multipart()
-            version, request_id, mechanism = frames[0], frames[1], frames[5]
-            ok = mechanism == b"CURVE" and len(frames) > 6 and frames[6] in self.allowed
-            self._sock.send_multipart([version, request_id, b"200" if ok else b"400",
-                                       b"OK" if ok else b"unknown client key", b"", b""])
+            try:
+                frames = self._sock.recv_multipart()
+            except zmq.ZMQError:  # the context is closing
+                return
+            try:
+                self._sock.send_multipart(self.reply(frames))
+            except Exception as e:  # one bad frame must not stop the handler
+                logger.warning("cp_kv side channel: ZAP request not answered: %r", e)
+
+    def reply(self, frames: list[bytes]) -> list[bytes]:
+        """The ZAP reply to one request (RFC 27): 200 for a CURVE client with
+        an admitted key, else 400; a malformed request (too few frames) is
+        answered 400 with whatever it carried, so the REP socket stays in
+        step for the next one."""
+        version = frames[0] if frames else b"1.0"
+        request_id = frames[1] if len(frames) > 1 else b""
+        ok = (len(frames) > 6 and frames[5] == b"CURVE" and frames[6] in self.allowed)
+        return [version, request_id, b"200" if ok else b"400",
+                b"OK" if ok else b"unknown client key", b"", b""]
 
 
 _zap: _ZapHandler | None = None
@@ -411,7 +444,10 @@ class SideChannelServer:
             self._sock.close(linger=0)
 
     def _drain(self) -> None:
-        while True:
+        """Answer what is waiting, at most ``MAX_DRAIN`` messages: under a
+        flood the loop still comes back to ``on_idle`` (the producer's sweep
+        of expired claims) every pass."""
+        for _ in range(MAX_DRAIN):
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

@@ -19,10 +19,12 @@ buffers).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -72,14 +74,29 @@ class Transport:
         """Let the engine serve a peer's READ (no-op where it runs by itself)."""
 
 
+# Remote NIXL agents a decode keeps loaded: at most this many, and none idle
+# for longer than REMOTE_AGENT_IDLE_S (each prefill instance is one agent a
+# rank; a restarted prefill is a new one). The least recently used idle
+# agent goes first; an agent a read is using is never removed.
+MAX_REMOTE_AGENTS = 64
+REMOTE_AGENT_IDLE_S = 600.0
+# Names of agents seen (evicted ones too) with a digest of their metadata,
+# so a known name with other metadata stays refused after its eviction.
+MAX_AGENT_NAMES = 4096
+
+
 class NixlTransport(Transport):
     name = "nixl"
 
-    def __init__(self, host: str):
+    def __init__(self, host: str, agent=None, clock=time.monotonic):
         self.agent_name = f"cpkv-{uuid.uuid4().hex[:12]}"
-        self.agent = _nixl_agent(self.agent_name)
-        # remote agents loaded, by name: exactly the metadata loaded under it
-        self._peers: dict[str, bytes] = {}
+        self.agent = agent if agent is not None else _nixl_agent(self.agent_name)
+        self.clock = clock
+        # remote agents loaded, by name: exactly the metadata loaded under it,
+        # least recently used first, and when each was last used
+        self._peers: OrderedDict[str, bytes] = OrderedDict()
+        self._last_used: dict[str, float] = {}
+        self._seen: OrderedDict[str, bytes] = OrderedDict()  # name -> metadata digest
         self._probe_agent, self._probes = None, 0  # see _probe
         # UCX workers are not thread-safe, and receives run in one thread per
         # request: every agent call after registration runs on this one
@@ -124,11 +141,13 @@ class NixlTransport(Transport):
         there whole, as the agent it claims to be, reaches this agent. A
         known name with other metadata is refused (the first peer to use a
         name keeps it: see docs/disaggregated.md, Security)."""
-        known = self._peers.get(name)
-        if known is not None:
-            if known != metadata:
-                raise TransferError(f"a peer sent other NIXL metadata for the known agent "
-                                    f"{name!r}: refused")
+        digest = hashlib.sha256(metadata).digest()
+        seen = self._seen.get(name)
+        if seen is not None and seen != digest:
+            raise TransferError(f"a peer sent other NIXL metadata for the known agent "
+                                f"{name!r}: refused")
+        if name in self._peers:
+            self._peers.move_to_end(name)
             return name
         loaded = self._probe(metadata)
         if loaded != name:
@@ -136,7 +155,36 @@ class NixlTransport(Transport):
                                 f"{name!r}: refused")
         self.agent.add_remote_agent(metadata)
         self._peers[name] = metadata
+        self._seen[name] = digest
+        self._seen.move_to_end(name)
+        while len(self._seen) > MAX_AGENT_NAMES:
+            self._seen.popitem(last=False)
         return name
+
+    def _evict(self, keep: str | None = None) -> None:
+        """Remove remote agents idle past ``REMOTE_AGENT_IDLE_S``, then the
+        least recently used beyond ``MAX_REMOTE_AGENTS`` (never ``keep``,
+        the one a read is about to use). On the agent thread, between reads:
+        no read of an evicted agent is in flight."""
+        now = self.clock()
+        for name in list(self._peers):
+            over = len(self._peers) > MAX_REMOTE_AGENTS
+            idle = now - self._last_used.get(name, now) > REMOTE_AGENT_IDLE_S
+            if name != keep and (over or idle):
+                self._remove_remote(name)
+
+    def _remove_remote(self, name: str) -> None:
+        self._peers.pop(name, None)
+        self._last_used.pop(name, None)
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as e:  # already gone: nothing to free
+            logger.debug("cp_kv connector: removing NIXL agent %s: %r", name, e)
+
+    @property
+    def remote_agents(self) -> list[str]:
+        """The remote agents loaded now, least recently used first."""
+        return list(self._peers)
 
     def _probe(self, metadata: bytes) -> str:
         """Load ``metadata`` into the probe agent (made on first use, made
@@ -158,6 +206,8 @@ class NixlTransport(Transport):
     def _read(self, peer_meta, reads, timeout_s, start_by):
         _check_start(start_by)  # on the agent thread: after waiting for other reads
         name = self._remote_agent(peer_meta["agent_name"], peer_meta["agent_metadata"])
+        self._last_used[name] = self.clock()
+        self._evict(keep=name)
         local, remote = nixl_descs(self.agent, reads, (self.mem_type, self.device_id),
                                    (peer_meta.get("mem_type") or "DRAM",
                                     int(peer_meta.get("device_id") or 0)))
@@ -327,23 +377,27 @@ def read_owned_blocks(transport: Transport, manifests: dict[int, list[tuple[int,
                       peers: dict[int, dict], local_block_ids: list[int],
                       local_addrs: list[int], page_bytes: list[int], timeout_s: float,
                       before_rank: Callable[[int], None] | None = None,
-                      start_by: dict[int, float] | None = None) -> int:
-    """READ every rank's owned blocks (checked manifests) into their local
-    slots, one batched read per rank, runs consecutive on both sides merged;
+                      start_by: dict[int, float] | None = None,
+                      decode_size: int = 1) -> tuple[int, int]:
+    """READ every rank's entries (checked manifests, this decode rank's
+    share: ``core.manifest.for_decode_rank``) into their local slots
+    (logical block ``j`` into ``local_block_ids[j // decode_size]``), one
+    batched read per rank, runs consecutive on both sides merged;
     ``peers[r]`` has the rank's ``layer_addrs`` and ``transport_meta``.
     ``before_rank(r)``: the caller's callback before rank r's read (the
     harness's P/D hooks pause a pull there, ``scripts/gpu/onegpu/pd_hooks.py``);
     ``start_by[r]``: see ``Transport.read``.
-    Returns the number of read descriptors issued."""
-    num_descs = 0
+    Returns ``(read descriptors issued, bytes they moved)``."""
+    num_descs = nbytes = 0
     for r, entries in manifests.items():
         if before_rank is not None:
             before_rank(r)
-        reads = read_descriptors(merge_runs(entries, local_block_ids),
+        reads = read_descriptors(merge_runs(entries, local_block_ids, decode_size),
                                  peers[r]["layer_addrs"], local_addrs, page_bytes)
         num_descs += len(reads)
+        nbytes += sum(n for _, _, n in reads)
         if start_by is None:
             transport.read(peers[r]["transport_meta"], reads, timeout_s)
         else:
             transport.read(peers[r]["transport_meta"], reads, timeout_s, start_by=start_by[r])
-    return num_descs
+    return num_descs, nbytes
