@@ -522,7 +522,9 @@ PD_FLOOR_SHARE = 6.7 / 24
 def pd_reach(pd) -> float | None:
     """Where the P/D tokens part from the one instance, on average, as a
     share of the tokens generated (an identical prompt counts in full)."""
-    diffs, n = pd.get("first_diff"), pd.get("max_tokens")
+    from vllm_cp_kv.tools.pd_offline import MAX_TOKENS  # runs before it was recorded
+
+    diffs, n = pd.get("first_diff"), pd.get("max_tokens") or MAX_TOKENS
     if not diffs or not n:
         return None
     return round(sum(n if f is None else f for f in diffs) / (len(diffs) * n), 3)

@@ -138,6 +138,44 @@ def test_a_finished_request_not_yet_told_to_the_workers_steps_at_once(engine_ste
     assert 0.9 <= time.monotonic() - t0 < 1.5
 
 
+def test_a_finished_pull_is_scheduled_without_an_idle_wait(engine_step):
+    """The step whose output reports a finished pull schedules nothing; the
+    next must come at once (the request can run now), not after the decode's
+    ``idle_step_s``."""
+    from vllm_cp_kv.integration.connector.connector import ShardedKVConnector
+
+    cfg = ConnectorConfig.from_extra({"idle_step_s": 1.0}, is_producer=False)
+    connector = object.__new__(ShardedKVConnector)
+    connector.cfg = cfg
+    connector._scheduler = SchedulerSide(cfg, "engine", 1, 16, False, True)
+    connector._scheduler.update_connector_output(
+        SimpleNamespace(finished_sending=None, finished_recving={"req-1"}))
+    engine = StubEngine(connector)
+    t0 = time.monotonic()
+    engine_step(engine)
+    assert time.monotonic() - t0 < 0.05
+    connector._scheduler.build_connector_meta(SimpleNamespace())  # the step that schedules it
+    assert connector.cp_kv_idle_wait_s() == 1.0
+
+
+def test_data_parallel_engines_do_not_wait(engine_step):
+    """A data-parallel rank that waited would hold up the other ranks'
+    collectives: ``DPEngineCoreProc`` steps as vLLM's, cp_kv connector or
+    not."""
+    from vllm.v1.engine.core import DPEngineCoreProc
+
+    class DPStub(DPEngineCoreProc):  # vLLM's class, none of its __init__
+        __init__ = StubEngine.__init__
+        step_fn, post_step = StubEngine.step_fn, StubEngine.post_step
+        _handle_client_request = StubEngine._handle_client_request
+
+    engine = DPStub(SimpleNamespace(cp_kv_idle_wait_s=lambda: 1.0))
+    t0 = time.monotonic()
+    for _ in range(5):
+        engine_step(engine)
+    assert time.monotonic() - t0 < 0.5
+
+
 def test_other_engines_step_as_vllms(engine_step):
     engine = StubEngine(SimpleNamespace())  # another connector: no cp_kv wait
     t0 = time.monotonic()
@@ -148,32 +186,81 @@ def test_other_engines_step_as_vllms(engine_step):
 
 # ---- bounded resources -------------------------------------------------------
 def test_a_thousand_pulls_queue_on_a_bounded_pool(monkeypatch):
+    before = set(threading.enumerate())  # other tests' pools may still idle
+    c, release, started = blocking_consumer(monkeypatch)
+    for i in range(1000):  # from 100 prefills, 10 requests each
+        c.start(f"req-{i}", [1], params(port=5000 + i % 100), None)
+    time.sleep(0.3)
+    running = [t for t in set(threading.enumerate()) - before if t.name == "cp_kv-receive"]
+    assert len(running) == c.pool.threads == consumer_mod.MAX_PULL_THREADS
+    assert len(set(threading.enumerate()) - before) < 50  # nothing else per pull
+    assert c.pending() and len(started) == len(running)
+    release.set()
+    assert wait_until(lambda: not c.pending(), 30.0)
+    done, failed = c.take_results()
+    assert len(done) == 1000 and not failed and len(started) == 1000
+    assert c.pool.threads == consumer_mod.MAX_PULL_THREADS
+
+
+def params(host="127.0.0.1", port=5700):
+    return SimpleNamespace(remote_request_id="p", remote_host=host, remote_port=port)
+
+
+def blocking_consumer(monkeypatch):
+    """A Consumer whose pulls block until released; started request ids."""
     from vllm_cp_kv.integration.connector.consumer import Consumer
 
     release, started = threading.Event(), []
     c = object.__new__(Consumer)
     Consumer.__init__(c, SimpleNamespace(shard=SimpleNamespace(rank=0)), None, 5.0, None, 1)
 
-    def receive(req_id, local_ids, params, ready=None):
+    def receive(req_id, local_ids, p, ready=None):
         started.append(req_id)
         release.wait(30)
 
     monkeypatch.setattr(c, "receive", receive)
-    before = threading.active_count()
-    for i in range(1000):
-        c.start(f"req-{i}", [1], SimpleNamespace(remote_request_id="p"), None)
-    time.sleep(0.3)
-    running = [t for t in threading.enumerate() if t.name == "cp_kv-receive"]
-    assert len(running) == c.pool.threads <= consumer_mod.MAX_PULL_THREADS
-    assert threading.active_count() - before <= consumer_mod.MAX_PULL_THREADS
-    assert c.pending() and len(started) == len(running)
+    return c, release, started
+
+
+def wait_until(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_a_burst_of_pulls_does_not_queue_behind_one_idle_thread(monkeypatch):
+    """One thread waits idle; a step's receives come in one quick loop: each
+    must get a thread (before: every submit saw the same idle thread, and
+    the burst ran one pull after another on it)."""
+    c, release, started = blocking_consumer(monkeypatch)
+    release.set()  # the first pull returns at once: its thread goes idle
+    c.start("warm", [1], params(), None)
+    assert wait_until(lambda: c.pool._idle == 1 and not c.pending())
+    release.clear()
+    for i in range(8):  # from 8 prefills: the per-peer cap does not apply
+        c.start(f"req-{i}", [1], params(port=6000 + i), None)
+    assert wait_until(lambda: len(started) == 9, 3.0), started
+    assert c.pool.threads == 8
     release.set()
-    deadline = time.monotonic() + 30
-    while c.pending() and time.monotonic() < deadline:
-        time.sleep(0.05)
+
+
+def test_a_silent_prefill_does_not_take_every_pull_thread(monkeypatch):
+    """20 requests naming one prefill that never answers (here: pulls that
+    block) run at most PULLS_PER_PEER at a time; a request from another
+    prefill starts at once."""
+    c, release, started = blocking_consumer(monkeypatch)
+    for i in range(20):
+        c.start(f"slow-{i}", [1], params(host="10.9.9.9", port=5700), None)
+    assert wait_until(lambda: len(started) == consumer_mod.PULLS_PER_PEER)
+    c.start("other", [1], params(port=5800), None)
+    assert wait_until(lambda: "other" in started, 2.0)
+    time.sleep(0.2)
+    assert len([r for r in started if r.startswith("slow")]) == consumer_mod.PULLS_PER_PEER
+    release.set()
+    assert wait_until(lambda: not c.pending(), 30.0)
     done, failed = c.take_results()
-    assert len(done) == 1000 and not failed and len(started) == 1000
-    assert c.pool.threads <= consumer_mod.MAX_PULL_THREADS
+    assert len(done) == 21 and not failed
 
 
 class FakeAgent:
@@ -220,6 +307,28 @@ def test_remote_nixl_agents_are_evicted_between_reads(monkeypatch):
         t._remote_agent("prefill-3", b"prefill-3-forged")
     read_from("prefill-3")  # its own metadata loads again
     assert "prefill-3" in t.remote_agents
+
+
+def test_a_flood_of_agent_names_does_not_free_a_name_in_use(monkeypatch):
+    """A client that may point the decode at hosts of its choice loads more
+    new agent names than the bound: the real prefill's name, in use, stays
+    known, so its metadata forged under a new peer is still refused."""
+    from vllm_cp_kv.integration.connector import transfer
+
+    now = [1000.0]
+    t = transfer.NixlTransport("127.0.0.1", agent=FakeAgent(), clock=lambda: now[0])
+    monkeypatch.setattr(t, "_probe", lambda metadata: metadata.decode())
+    monkeypatch.setattr(transfer, "MAX_AGENT_NAMES", 64)
+    t._remote_agent("prefill-real", b"prefill-real")
+    for i in range(200):
+        now[0] += 1
+        t._remote_agent("prefill-real", b"prefill-real")  # the real one keeps reading
+        t._remote_agent(f"fake-{i}", f"fake-{i}".encode())
+        t._last_used[f"fake-{i}"] = t.clock()
+        t._evict(keep=f"fake-{i}")
+    assert len(t._seen) <= 64 + transfer.MAX_REMOTE_AGENTS
+    with pytest.raises(transfer.TransferError, match="other NIXL metadata"):
+        t._remote_agent("prefill-real", b"prefill-real-forged")
 
 
 def test_a_malformed_zap_request_leaves_curve_clients_connecting():

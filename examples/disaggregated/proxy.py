@@ -26,6 +26,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 ARGS = None
 CLIENT: httpx.AsyncClient | None = None  # one for the proxy's life
@@ -68,7 +69,7 @@ async def completions(request: Request):
         p = await client.post(f"{ARGS.prefill}/v1/completions", json=prefill_body,
                               headers=headers)
         if p.status_code != 200:
-            return JSONResponse(p.json(), status_code=p.status_code)
+            return JSONResponse(_body(p), status_code=p.status_code)
         kv = p.json().get("kv_transfer_params")
         if not kv:
             return JSONResponse({"error": "prefill server returned no kv_transfer_params"},
@@ -78,9 +79,12 @@ async def completions(request: Request):
             headers=headers), stream=True)
         if d.status_code == 200 and body.get("stream"):
             streaming = True
-            return StreamingResponse(_relay(d), media_type=d.headers.get("content-type"))
+            # closed by the relay, or after the response where the client
+            # left before the relay started
+            return StreamingResponse(_relay(d), media_type=d.headers.get("content-type"),
+                                     background=BackgroundTask(d.aclose))
         await d.aread()
-        out = d.json()
+        out = _body(d)
     finally:
         if d is not None and not streaming:
             await d.aclose()
@@ -89,6 +93,15 @@ async def completions(request: Request):
             "if the KV transfer failed, the decode server's log says why: "
             f"'cp_kv connector: request cmpl-{request_id}-0-... failed to receive its KV'")
     return JSONResponse(out, status_code=d.status_code)
+
+
+def _body(response: httpx.Response):
+    """The answer's JSON, or its text where it is not JSON (a 5xx page):
+    the client gets the server's status either way."""
+    try:
+        return response.json()
+    except ValueError:
+        return {"error": response.text[:2000]}
 
 
 async def _relay(response: httpx.Response):

@@ -13,9 +13,9 @@
 #      '"allow_any_prefill": true'), VLLM_CP_KV_SIDE_CHANNEL_SECRET
 #      (optional shared secret, the same as the prefill's), EXTRA_CONFIG (more
 #      kv_connector_extra_config members, e.g. '"max_shard_size": 8'), BLOCK_SIZE (32),
-#      EAGER (set: --enforce-eager; unset: vLLM's default mode, CUDA graphs on a
+#      EAGER (set, to anything, 0 included: --enforce-eager; unset: vLLM's default mode, CUDA graphs on a
 #      GPU; on a CPU set it, or vLLM compiles the model first),
-#      SHARDED (set: --additional-config '{"cp_kv": {"enable": true}}'),
+#      SHARDED (set, to anything, 0 included: --additional-config '{"cp_kv": {"enable": true}}'),
 #      EXTRA_ARGS (more vllm serve flags)
 MODEL=${1:?model}; PORT=${2:-8200}; TRANSPORT=${3:-nixl}
 SHARD_ARGS=(); if [ -n "${SHARDED:-}" ]; then SHARD_ARGS=(--additional-config '{"cp_kv": {"enable": true}}'); fi

@@ -11,7 +11,7 @@
 #      mean; docs/deployment.md),
 #      VLLM_CP_KV_SIDE_CHANNEL_SECRET (optional shared secret, set the same on
 #      the decode: side-channel messages are then authenticated with HMAC),
-#      EAGER (set: --enforce-eager; unset: vLLM's default mode, CUDA graphs on a
+#      EAGER (set, to anything, 0 included: --enforce-eager; unset: vLLM's default mode, CUDA graphs on a
 #      GPU; on a CPU set it, or vLLM compiles the model first),
 #      EXTRA_ARGS (more vllm serve flags)
 MODEL=${1:?model}; PORT=${2:-8100}; TRANSPORT=${3:-nixl}; SIDE=${4:-5700}

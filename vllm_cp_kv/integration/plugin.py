@@ -305,8 +305,10 @@ def _patch_engine_idle_wait() -> None:
     work (only the cp_kv connector's transfers pending) waits for its next
     client call, up to the connector's ``idle_step_s``, instead of vLLM's
     1 ms pause (``connector.scheduler.wait_for_client`` says why). Inert
-    without the cp_kv connector: other engines step exactly as vLLM's."""
-    from vllm.v1.engine.core import EngineCoreProc
+    without the cp_kv connector: other engines step exactly as vLLM's, and so
+    do data-parallel engines (``DPEngineCoreProc``: a rank that waited would
+    hold up the other ranks' collectives)."""
+    from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
 
     orig = EngineCoreProc._process_engine_step
 
@@ -314,7 +316,8 @@ def _patch_engine_idle_wait() -> None:
     def _process_engine_step(self):
         executed = orig(self)
         wait = getattr(getattr(self.scheduler, "connector", None), "cp_kv_idle_wait_s", None)
-        if wait is not None and not executed and self.scheduler.has_requests():
+        if wait is not None and not executed and self.scheduler.has_requests() \
+                and not isinstance(self, DPEngineCoreProc):
             from .connector.scheduler import wait_for_client
 
             timeout = wait()

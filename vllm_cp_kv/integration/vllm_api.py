@@ -283,6 +283,7 @@ REGISTRY = (
                           ("vllm.v1.attention.ops.dcp:cp_lse_ag_out_rs", LSE_MERGE),
                           ("vllm.v1.attention.ops.dcp:cp_lse_ag_out_ar", LSE_MERGE))),
     Rebinding(25, ("vllm.v1.engine.core:EngineCoreProc._process_engine_step",
+                   "vllm.v1.engine.core:DPEngineCoreProc",
                    "vllm.v1.engine.core:EngineCoreProc._handle_client_request",
                    "vllm.v1.engine.core:EngineCoreProc.__init__",
                    "vllm.v1.core.sched.scheduler:Scheduler.has_requests",

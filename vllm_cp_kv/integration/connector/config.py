@@ -43,7 +43,8 @@ class ConnectorConfig:
     allowed_prefill_hosts: tuple[str, ...] | None = None
     max_shard_size: int = MAX_SHARD_SIZE  # decode: most prefill ranks a request may name
     host_set: bool = False  # host came from side_channel_host or VLLM_HOST_IP
-    # decode on a non-loopback host without allow-list or secret: start anyway
+    # decode on a non-loopback host without an allow-list (a secret does not
+    # count: clients still choose the hosts): start anyway
     allow_any_prefill: bool = False
 
     @classmethod

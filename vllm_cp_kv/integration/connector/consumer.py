@@ -1,10 +1,12 @@
 """Decode worker: pull one request's KV from every prefill rank.
 
 Per request, on one of at most ``MAX_PULL_THREADS`` threads (a bounded
-pool; more requests queue): ask every prefill rank (side channel; the
-whole exchange with all ranks under one ``transfer_timeout_s``, so a slow or
-fake peer holds a request that long at most, whatever ``shard_size`` it
-names) for its handshake and manifest with the request's transfer token (a
+pool; more requests queue, and at most ``PULLS_PER_PEER`` of them run
+against one prefill, so a slow or fake one cannot take every thread from
+the others): ask every prefill rank (side channel; the whole exchange with
+all ranks under one ``transfer_timeout_s``, so a slow or fake peer holds a
+request that long at most once it runs, whatever ``shard_size`` it names)
+for its handshake and manifest with the request's transfer token (a
 refusal is asked again for up to ``FETCH_RETRY_S``: the prefill's workers
 learn of a finished request at its next engine step, and the decode can be
 faster), refuse any mismatch or out-of-range entry before a byte moves
@@ -28,10 +30,10 @@ started: the request fails rather than read blocks the prefill may reuse.
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
 import threading
 import time
+from collections import OrderedDict, deque
 from typing import Callable
 
 import msgspec
@@ -57,24 +59,37 @@ NOTICE_TIMEOUT_S = 5.0
 # queue (each pull's deadlines start when it runs: a queued pull cannot
 # overrun a claim it has not made yet).
 MAX_PULL_THREADS = 8
+# ... and at most this many of them against one prefill (its side channel's
+# host:port): the others stay free for requests from other prefills.
+PULLS_PER_PEER = 4
 
 
 class PullPool:
     """A bounded pool of daemon threads for the pulls: however many requests
     a client sends, at most ``size`` threads, started as work comes; the rest
-    queue in order."""
+    queue, in order per peer, the peers in turn, at most ``per_peer``
+    running for one peer.
 
-    def __init__(self, size: int = MAX_PULL_THREADS, name: str = "cp_kv-receive"):
-        self.size, self.name = size, name
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
+    A waiting thread is claimed when work is submitted (``_idle`` counts the
+    unclaimed ones), so a burst of submits starts as many threads as it
+    needs instead of queueing behind one that has not woken yet."""
+
+    def __init__(self, size: int = MAX_PULL_THREADS, per_peer: int = PULLS_PER_PEER,
+                 name: str = "cp_kv-receive"):
+        self.size, self.per_peer, self.name = size, per_peer, name
+        self._cond = threading.Condition()
+        self._queues: OrderedDict[str, deque] = OrderedDict()
+        self._running: dict[str, int] = {}
         self._threads = 0
         self._idle = 0
 
-    def submit(self, fn: Callable, *args) -> None:
-        self._work.put((fn, args))
-        with self._lock:
-            if self._idle == 0 and self._threads < self.size:
+    def submit(self, fn: Callable, *args, peer: str = "") -> None:
+        with self._cond:
+            self._queues.setdefault(peer, deque()).append((fn, args))
+            if self._idle:
+                self._idle -= 1
+                self._cond.notify()
+            elif self._threads < self.size:
                 self._threads += 1
                 threading.Thread(target=self._serve, daemon=True, name=self.name).start()
 
@@ -82,17 +97,38 @@ class PullPool:
     def threads(self) -> int:
         return self._threads
 
+    def _next(self):
+        """Under the lock: the first task of the first peer below its cap
+        (that peer then goes last), or None."""
+        for peer, tasks in self._queues.items():
+            if self._running.get(peer, 0) < self.per_peer:
+                task = tasks.popleft()
+                if tasks:
+                    self._queues.move_to_end(peer)
+                else:
+                    del self._queues[peer]
+                self._running[peer] = self._running.get(peer, 0) + 1
+                return peer, task
+        return None
+
     def _serve(self) -> None:
         while True:
-            with self._lock:
-                self._idle += 1
-            fn, args = self._work.get()
-            with self._lock:
-                self._idle -= 1
+            with self._cond:
+                got = self._next()
+                while got is None:
+                    self._idle += 1  # claimed (decremented) by the submit that wakes us
+                    self._cond.wait()
+                    got = self._next()
+            peer, (fn, args) = got
             try:
                 fn(*args)
             except Exception as e:  # fn handles its own failures; never lose the thread
                 logger.error("cp_kv connector: a pull task failed: %r", e)
+            finally:
+                with self._cond:
+                    self._running[peer] -= 1
+                    if not self._running[peer]:
+                        del self._running[peer]
 
 
 class Consumer:
@@ -123,7 +159,8 @@ class Consumer:
         first byte lands."""
         with self._lock:
             self._receiving += 1
-        self.pool.submit(self._run, req_id, local_ids, params, error, ready)
+        peer = f"{params.remote_host}:{params.remote_port}" if params else ""
+        self.pool.submit(self._run, req_id, local_ids, params, error, ready, peer=peer)
 
     def take_results(self) -> tuple[set[str], set[str]]:
         """(finished, failed) since the last call."""

@@ -50,6 +50,7 @@ class SchedulerSide:
         self._to_recv: dict = {}
         self._to_send: dict = {}
         self._pending_sends: set[str] = set()
+        self._received = False  # a receive finished since the last step was built
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         params = _params(request)
@@ -85,7 +86,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> ShardedKVMetadata:
         meta = ShardedKVMetadata(to_recv=self._to_recv, to_send=self._to_send)
-        self._to_recv, self._to_send = {}, {}
+        self._to_recv, self._to_send, self._received = {}, {}, False
         return meta
 
     def request_finished(self, request, block_ids):
@@ -112,19 +113,22 @@ class SchedulerSide:
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_sending or ():
             self._pending_sends.discard(req_id)
+        if connector_output.finished_recving:  # those requests can be scheduled now
+            self._received = True
 
     def has_pending_push_work(self) -> bool:
         # keep the engine stepping so workers learn of finished transfers
         return bool(self._pending_sends)
 
     def has_undelivered_meta(self) -> bool:
-        """Sends or receives the workers have not been told of yet: the
-        next step must come at once, not after an idle wait. (With vLLM's
-        async scheduling, the GPU default, a request finishes after the next
-        step was already scheduled: that step carried nothing, and an idle
-        wait after it held the blocks back from the decode, measured 1.1 s a
-        request on one H200.)"""
-        return bool(self._to_send or self._to_recv)
+        """Sends or receives the workers have not been told of yet, or a
+        receive that finished since the last step was built (its request can
+        be scheduled): the next step must come at once, not after an idle
+        wait. (With vLLM's async scheduling, the GPU default, a request
+        finishes after the next step was already scheduled: that step carried
+        nothing, and an idle wait after it held the blocks back from the
+        decode, measured 1.1 s a request on one H200.)"""
+        return bool(self._to_send or self._to_recv or self._received)
 
 
 def wait_for_client(input_queue, handle, timeout_s: float) -> bool:

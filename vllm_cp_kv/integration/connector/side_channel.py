@@ -300,16 +300,29 @@ class _ZapHandler:
         self._sock.bind(self.ENDPOINT)
         threading.Thread(target=self._loop, daemon=True, name="cp_kv-zap").start()
 
+    REFUSED = [b"1.0", b"", b"400", b"malformed ZAP request", b"", b""]
+
     def _loop(self) -> None:
         while True:
             try:
                 frames = self._sock.recv_multipart()
-            except zmq.ZMQError:  # the context is closing
+            except zmq.ContextTerminated:  # the context is closing
                 return
-            try:
-                self._sock.send_multipart(self.reply(frames))
+            except zmq.ZMQError as e:  # a REP socket out of step: answer to get back
+                logger.warning("cp_kv side channel: ZAP receive failed: %r", e)
+                frames = None
+            try:  # every receive is answered, so the REP socket stays in step
+                out = self.REFUSED if frames is None else self.reply(frames)
             except Exception as e:  # one bad frame must not stop the handler
+                logger.warning("cp_kv side channel: ZAP request refused: %r", e)
+                out = self.REFUSED
+            try:
+                self._sock.send_multipart(out)
+            except zmq.ContextTerminated:
+                return
+            except zmq.ZMQError as e:
                 logger.warning("cp_kv side channel: ZAP request not answered: %r", e)
+                time.sleep(0.01)  # no busy loop if the socket stays unusable
 
     def reply(self, frames: list[bytes]) -> list[bytes]:
         """The ZAP reply to one request (RFC 27): 200 for a CURVE client with

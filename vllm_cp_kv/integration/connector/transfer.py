@@ -146,6 +146,8 @@ class NixlTransport(Transport):
         if seen is not None and seen != digest:
             raise TransferError(f"a peer sent other NIXL metadata for the known agent "
                                 f"{name!r}: refused")
+        if seen is not None:  # in use: the last a flood of new names would push out
+            self._seen.move_to_end(name)
         if name in self._peers:
             self._peers.move_to_end(name)
             return name
@@ -157,8 +159,11 @@ class NixlTransport(Transport):
         self._peers[name] = metadata
         self._seen[name] = digest
         self._seen.move_to_end(name)
-        while len(self._seen) > MAX_AGENT_NAMES:
-            self._seen.popitem(last=False)
+        # forget the least recently used names beyond the bound, never one
+        # whose agent is loaded
+        for old in [n for n in self._seen if n not in self._peers][
+                :max(len(self._seen) - MAX_AGENT_NAMES, 0)]:
+            del self._seen[old]
         return name
 
     def _evict(self, keep: str | None = None) -> None:
