@@ -63,8 +63,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
