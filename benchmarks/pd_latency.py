@@ -12,7 +12,11 @@ each gap of ``--gaps``; then drives each with ``vllm bench serve``
 (``--load-requests`` random requests of ``--prompt-len`` tokens and
 ``--load-output-len`` new ones, ``--load-concurrency`` in flight, streamed:
 TTFT p50/p90/p99). The decode's log gives each request's transfer time
-(``received ... in X s``). ``--code old`` runs the P/D servers
+(``received ... in X s``). Where the pair's added time goes
+(``breakdown``, at the middle gap's p50s): the pair's two legs are also
+timed from the client without the proxy (``parts``), against one instance's
+first-token request and a request whose prompt it has cached (what the
+decode leg does once the KV arrived). ``--code old`` runs the P/D servers
 with another copy of the plugin (``.old/vllm_cp_kv``, e.g. the commit
 before a change) for a before/after comparison in one run. ``--no-spin``
 repeats the single instance and the new pair with vLLM's message-queue
@@ -127,7 +131,8 @@ def base_env(package: str | None, nospin: bool = False) -> dict:
 
 
 def start_pair(servers: Servers, model: str, transport: str, package: str | None,
-               nospin: bool = False) -> str:
+               nospin: bool = False) -> tuple[str, str, str]:
+    """Start the example pair; returns the proxy's, prefill's and decode's URLs."""
     env = base_env(package, nospin)
     pp, dp, xp, side = free_port(), free_port(), free_port(), free_port()
     prefill = servers.start("prefill", ["bash", f"{EXAMPLES}/start_prefill.sh", model,
@@ -143,7 +148,7 @@ def start_pair(servers: Servers, model: str, transport: str, package: str | None
     for url, proc in ((f"http://127.0.0.1:{pp}", prefill), (f"http://127.0.0.1:{dp}", decode),
                       (f"http://127.0.0.1:{xp}", proxy)):
         wait_health(url, proc)
-    return f"http://127.0.0.1:{xp}"
+    return f"http://127.0.0.1:{xp}", f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"
 
 
 def start_single(servers: Servers, model: str, nospin: bool = False) -> str:
@@ -167,13 +172,19 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return token_prompts([length] * n, vocab, seed=seed)
 
 
-def one(url: str, model: str, prompt: list[int], max_tokens: int) -> float:
+def one(url: str, model: str, prompt: list[int], max_tokens: int, **extra) -> float:
+    return timed(url, model, prompt, max_tokens, **extra)[0]
+
+
+def timed(url: str, model: str, prompt: list[int], max_tokens: int, **extra
+          ) -> tuple[float, dict]:
     t0 = time.perf_counter()
     status, out = post(f"{url}/v1/completions", {"model": model, "prompt": prompt,
-                                                 "max_tokens": max_tokens, "temperature": 0})
+                                                 "max_tokens": max_tokens, "temperature": 0,
+                                                 **extra})
     if status != 200:
         raise RuntimeError(f"{url}: HTTP {status}: {out}")
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, out
 
 
 def sequential(url: str, model: str, reqs, max_tokens: int, gap: float) -> list[float]:
@@ -218,14 +229,66 @@ def transfer_seconds(log: str) -> list[float]:
         return [float(s) for s in re.findall(r"prefill ranks in ([0-9.]+) s", f.read())]
 
 
-def measure(url: str, model: str, a, vocab: int, seed: int, out: str) -> dict:
+def measure(url: str, model: str, a, vocab: int, seed: int, out: str,
+            legs: tuple[str, str] | None = None) -> dict:
+    """Sequential requests at each gap, the breakdown (``parts``), then the
+    load. ``legs``: the pair's prefill and decode URLs, else a single
+    instance."""
     one(url, model, prompts(1, a.prompt_len, vocab, seed + 99)[0], a.max_tokens)  # warm-up
     res = {"gaps": {}}
     for k, gap in enumerate(a.gaps):
         reqs = prompts(a.requests, a.prompt_len, vocab, seed + k)
         res["gaps"][str(gap)] = stats(sequential(url, model, reqs, a.max_tokens, gap))
+    reqs = prompts(a.requests, a.prompt_len, vocab, seed + 50)
+    res["parts"] = (pair_legs(*legs, model, reqs, a.max_tokens) if legs
+                    else single_parts(url, model, reqs, a.max_tokens))
     res["load"] = bench_serve(url, model, a, out)
     return res
+
+
+def single_parts(url: str, model: str, reqs, max_tokens: int, gap: float = 0.3) -> dict:
+    """What a request's parts cost on one instance: its first token alone
+    (what the pair's prefill leg does) and the same request again with its
+    prompt cached (what the decode leg does after the transfer: the last
+    prompt token recomputed, then the rest)."""
+    first, cached = [], []
+    for p in reqs:
+        first.append(one(url, model, p, 1))
+        time.sleep(gap)
+        cached.append(one(url, model, p, max_tokens))
+        time.sleep(gap)
+    return {"first_token": stats(first), "cached_prompt": stats(cached)}
+
+
+def pair_legs(prefill: str, decode: str, model: str, reqs, max_tokens: int,
+              gap: float = 0.3) -> dict:
+    """The pair's two legs timed from the client, without the proxy: the
+    prefill (``max_tokens=1``, ``do_remote_decode``) and the decode (with the
+    prefill's ``kv_transfer_params``: the transfer, then the request)."""
+    pre, dec = [], []
+    for p in reqs:
+        t, out = timed(prefill, model, p, 1, kv_transfer_params={"do_remote_decode": True})
+        pre.append(t)
+        dec.append(one(decode, model, p, max_tokens, kv_transfer_params=out["kv_transfer_params"]))
+        time.sleep(gap)
+    return {"prefill_leg": stats(pre), "decode_leg": stats(dec)}
+
+
+def breakdown(pair: dict, single: dict, gap: str) -> dict:
+    """Where the pair's added latency goes (p50s, ms): ``proxy`` is what the
+    proxy's hops add to the two legs; ``decode_extra`` is the decode leg
+    beyond a cached-prompt request on one instance and the transfer;
+    ``prefill_extra`` the prefill leg beyond a first-token request."""
+    p, s = pair["parts"], single["parts"]
+    transfer = (pair.get("transfer") or {}).get("p50_ms", 0.0)
+    legs = p["prefill_leg"]["p50_ms"] + p["decode_leg"]["p50_ms"]
+    out = {"added": pair["gaps"][gap]["p50_ms"] - single["gaps"][gap]["p50_ms"],
+           "transfer": transfer,
+           "second_request": s["cached_prompt"]["p50_ms"],
+           "proxy": pair["gaps"][gap]["p50_ms"] - legs,
+           "prefill_extra": p["prefill_leg"]["p50_ms"] - s["first_token"]["p50_ms"],
+           "decode_extra": p["decode_leg"]["p50_ms"] - s["cached_prompt"]["p50_ms"] - transfer}
+    return {k: round(v, 1) for k, v in out.items()}
 
 
 def main() -> int:
@@ -275,9 +338,9 @@ def main() -> int:
                 name = f"pd-{code}{suffix}"
                 sub = result_dir(os.path.join(out, name))
                 servers = Servers(sub)
-                url = start_pair(servers, model, a.transport, OLD if code == "old" else None,
-                                 nospin)
-                res["configs"][name] = measure(url, model, a, vocab, 1, sub)
+                url, *legs = start_pair(servers, model, a.transport,
+                                        OLD if code == "old" else None, nospin)
+                res["configs"][name] = measure(url, model, a, vocab, 1, sub, tuple(legs))
                 servers.stop()
                 moves = transfer_seconds(os.path.join(sub, "decode.log"))
                 res["configs"][name]["transfer"] = stats(moves) if moves else None
@@ -285,6 +348,8 @@ def main() -> int:
                 res["configs"][name]["added_p50_ms"] = {
                     g: round(v["p50_ms"] - single["gaps"][g]["p50_ms"], 1)
                     for g, v in res["configs"][name]["gaps"].items()}
+                res["configs"][name]["breakdown"] = breakdown(
+                    res["configs"][name], single, str(a.gaps[len(a.gaps) // 2]))
                 write_json(os.path.join(out, "pd_latency.json"), res)
     finally:
         servers.stop()
@@ -301,7 +366,10 @@ def plot(res: dict, path: str) -> None:
         return
     configs = res["configs"]
     gaps = list(next(iter(configs.values()))["gaps"])
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+    pairs = {n: c["breakdown"] for n, c in configs.items() if c.get("breakdown")}
+    fig, axes = plt.subplots(1, 3 if pairs else 2, figsize=(15 if pairs else 11, 3.8),
+                             gridspec_kw={"width_ratios": [3, 2, 2][:3 if pairs else 2]})
+    ax, bx = axes[0], axes[1]
     width = 0.8 / len(configs)
     for i, (name, c) in enumerate(configs.items()):
         xs = [j + i * width for j in range(len(gaps))]
@@ -318,6 +386,24 @@ def plot(res: dict, path: str) -> None:
     bx.set_yscale("log")
     bx.set_ylabel("ms")
     bx.set_title(f"vllm bench serve, {res['args']['load_concurrency']} in flight", fontsize=9)
+    if pairs:  # where the added latency goes (stacked p50 parts)
+        cx = axes[2]
+        parts = [("transfer", "transfer"), ("second_request", "decode's own request"),
+                 ("proxy", "proxy hops"), (None, "rest (engine loops)")]
+        for i, (name, b) in enumerate(pairs.items()):
+            bottom = 0.0
+            for key, label in parts:
+                v = b[key] if key else b["prefill_extra"] + b["decode_extra"]
+                cx.bar(i, v, 0.6, bottom=bottom if v >= 0 else 0,
+                       label=label if i == 0 else None,
+                       color=f"C{parts.index((key, label)) + 3}")
+                bottom += max(v, 0)
+            cx.plot([i - 0.35, i + 0.35], [b["added"]] * 2, "k-", lw=2,
+                    label="added (pair - single)" if i == 0 else None)
+        cx.set_xticks(range(len(pairs)), list(pairs), fontsize=7)
+        cx.set_ylabel("ms (p50)")
+        cx.set_title("what the pair adds, by part", fontsize=9)
+        cx.legend(fontsize=6)
     save_figure(fig, path)
 
 

@@ -158,6 +158,35 @@ def test_a_finished_pull_is_scheduled_without_an_idle_wait(engine_step):
     assert connector.cp_kv_idle_wait_s() == 1.0
 
 
+def test_a_decode_reading_kv_steps_without_the_engine_wait(engine_step):
+    """While a read is in flight the decode's workers wait for it themselves
+    (and return when it finishes); an engine wait on top delivered a pull
+    that finished meanwhile up to ``idle_step_s`` late. Finished or failed,
+    or the request gone, the engine waits again."""
+    from vllm_cp_kv.integration.connector.connector import ShardedKVConnector
+
+    cfg = ConnectorConfig.from_extra({"idle_step_s": 1.0}, is_producer=False)
+    connector = object.__new__(ShardedKVConnector)
+    connector.cfg = cfg
+    side = connector._scheduler = SchedulerSide(cfg, "engine", 1, 16, False, True)
+    for req_id in ("r1", "r2", "r3"):
+        request = SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(20)),
+                                  kv_transfer_params={"do_remote_prefill": True})
+        side.update_state_after_alloc(
+            request, SimpleNamespace(get_block_ids=lambda: ([3, 4],)), 20)
+    side.build_connector_meta(SimpleNamespace())  # the workers were told: reads start
+    engine = StubEngine(connector)
+    t0 = time.monotonic()
+    engine_step(engine)
+    assert time.monotonic() - t0 < 0.05
+    side.update_connector_output(SimpleNamespace(finished_sending=None, finished_recving={"r1"},
+                                                 failed_recving={"r2"}))
+    side.build_connector_meta(SimpleNamespace())
+    assert side.has_reads_in_flight()  # r3 still reading
+    side.request_finished(SimpleNamespace(request_id="r3", kv_transfer_params=None), [])
+    assert not side.has_reads_in_flight() and connector.cp_kv_idle_wait_s() == 1.0
+
+
 def test_data_parallel_engines_do_not_wait(engine_step):
     """A data-parallel rank that waited would hold up the other ranks'
     collectives: ``DPEngineCoreProc`` steps as vLLM's, cp_kv connector or

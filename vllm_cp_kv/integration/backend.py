@@ -103,7 +103,7 @@ class ShardedBuilder:
             if parallel.prefill_context_parallel_size == 1 else 1
         if self.cp_kv_lse_decode:  # TRITON_MLA: its split-KV workspace for all heads
             with vllm_api.builder_heads_of(self, self.cp_kv_decode_ranks):
-                vllm_api.reserve_decode_workspace(self, name)
+                vllm_api.reserve_decode_workspace(self, name, vllm_config)
         # debug: vLLM's own decode kernel on the full view, for comparison
         self.cp_kv_kernel_check = debug_enabled() and name in KERNEL_CHECK_BACKENDS
         self.cp_kv_chunked = chunked_context_enabled(vllm_config, name, self.cp_kv_sparse)

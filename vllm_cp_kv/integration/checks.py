@@ -35,8 +35,12 @@ def check_vllm_version(version: str | None = None) -> None:
     """The installed vLLM must be a release the plugin's registry of vLLM
     internals was checked against (``vllm_api.SUPPORTED_VLLM``): another one
     is refused here, with what to install, instead of failing later deep
-    inside a rebinding."""
-    from .vllm_api import SUPPORTED_VLLM, vllm_release
+    inside a rebinding. ``VLLM_CP_KV_UNTESTED_VLLM=1`` lets a release the
+    registry names per item (``vllm_api.KNOWN_VLLM``) start before it has run
+    with the plugin (how the GPU matrix tries it first)."""
+    import os
+
+    from .vllm_api import KNOWN_VLLM, SUPPORTED_VLLM, vllm_release
 
     if version is None:
         import vllm
@@ -45,6 +49,10 @@ def check_vllm_version(version: str | None = None) -> None:
     release = vllm_release(version)
     if release is None or release in SUPPORTED_VLLM:
         return  # a source build without a version: compat says what moved
+    if release in KNOWN_VLLM and os.environ.get("VLLM_CP_KV_UNTESTED_VLLM") == "1":
+        logger.warning("cp_kv: vLLM %s has not run with this release of vllm_cp_kv "
+                       "(VLLM_CP_KV_UNTESTED_VLLM=1)", version)
+        return
     names = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM)
     raise CPKVConfigError(
         f"cp_kv: vLLM {version} is not supported; this release of vllm_cp_kv "

