@@ -127,6 +127,16 @@ def runs() -> dict:
         r[f"tp2-FA-mtp{n}-shard"] = ("mtp", tp2 + fa + GEN + GRAPHS + spec + SHARD, True, {})
     spec2 = ["--spec", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
     r["tp2-FA-mtp2-debug"] = ("mtp", tp2 + fa + GEN + spec2 + SHARD, True, DEBUG)
+    # FP8 KV on dense MLA (issue 39, a probe: the plugin refuses it until
+    # shown right, CPKV_TEST_ALLOW_FP8 lifts the refusal in these runs only):
+    # TP=1 and TP=2 unsharded FP8 (their floor), TP=2 sharded FP8, per backend
+    fp8 = ["--kv-cache-dtype", "fp8"]
+    for k in ("FM", "TR", "FA"):
+        be = ["--backend", BACKENDS[k]] + GEN_LONG + fp8
+        r[f"tp1-{k}-fp8-plain"] = ("moe", ["--tp", "1", "--no-plugin"] + be + GRAPHS, False, {})
+        r[f"tp2-{k}-fp8-plain"] = ("moe", tp2 + be + GRAPHS + ["--no-plugin"], True, {})
+        r[f"tp2-{k}-fp8-shard"] = ("moe", tp2 + be + GRAPHS + SHARD, True,
+                                   {"CPKV_TEST_ALLOW_FP8": "1"})
     r["pd-tp2-nixl"] = ("pd", ["--prefill-tp", "2", "--prefill-pcp", "1", "--cuda-graphs"],
                         True, {})
     # every sharded prefill layout into a TP=1 decode and a PCP=2 prefill
@@ -165,6 +175,15 @@ GROUPS["pd-shard"] = ["pd-pcp2-shard2-nixl"]
 # P/D in vLLM's default mode over both transports (issues 37 and 41)
 GROUPS["pd"] = [f"pd-{lay}-{tr}" for lay in ("tp2", "pcp2", "pcp2-shard2")
                 for tr in ("nixl", "mooncake")] + ["pd-pcp2-shard2-nixl-dropped"]
+# vLLM 0.34 (issue 38; VLLM_CP_KV_UNTESTED_VLLM=1, the 0.34 payload): the
+# three dense backends in graphs against TP=2 unsharded, the debug switch,
+# PCP dense and sparse, MTP k=2, prefix hits, P/D over NIXL
+GROUPS["v034"] = ["tp1-FA-plain"] + [f"tp2-{k}-{v}" for k in BACKENDS for v in ("plain", "shard")] + [
+    "tp2-FA-debug", "pcp2-dense-plain", "pcp2-dense-shard", "pcp2-fms-plain-eager",
+    "pcp2-fms-shard-eager", "tp2-FA-mtp2-plain", "tp2-FA-mtp2-shard", "tp2-prefix-plain",
+    "tp2-prefix-shard", "pd-tp2-nixl"]
+GROUPS["fp8"] = [f"tp{t}-{k}-fp8-{v}" for k in ("FM", "TR", "FA")
+                 for t, v in ((1, "plain"), (2, "plain"), (2, "shard"))]
 GROUPS["again"] = ["pd-tp2-nixl", "pcp2-moe-base", "pcp2-moe-shard", "tp4-plain-eager"] + [
     f"pcp2-{k}-{v}-eager" for k in SPARSE for v in ("plain", "shard")]
 
@@ -413,9 +432,26 @@ def compare(results) -> dict:
         c["within_noise_floor"] = within_floor(c["agreement"], floor)
         c["ok"] = c["capacity_ratio"] >= 1.8 and c["within_noise_floor"]
     mtp_check(out, results)
+    fp8_check(out, results)
     pd_checks(out, results)
     timing_check(out, results)
     return out
+
+
+def fp8_check(out, results) -> None:
+    """FP8 KV (issue 39): TP=2 sharded FP8 against TP=2 unsharded FP8 on the
+    same backend, within the floor of two unsharded FP8 layouts (TP=2 vs
+    TP=1: FP8 flips near-ties against bf16, so FP8 is compared with FP8)."""
+    for k, b in BACKENDS.items():
+        floor = agree(results, f"tp2-{k}-fp8-plain", f"tp1-{k}-fp8-plain")
+        c = pair(out, f"tp2-{b}-fp8", results, f"tp2-{k}-fp8-shard", f"tp2-{k}-fp8-plain",
+                 2, 1.95)
+        if not c:
+            continue
+        c["floor_fp8_tp2_vs_tp1"] = floor
+        c["within_noise_floor"] = within_floor(c["agreement"], floor)
+        c["ok"] = c["capacity_ratio"] >= 1.95 and c["within_noise_floor"] and \
+            c.get("owned_writes_ok", True)
 
 
 def prefix_check(out, results) -> None:

@@ -35,6 +35,7 @@ no.    target (vLLM 0.32)                           change                  swit
        ``.check_params``; ``...consumer``           (:mod:`pd_hooks`)
        (``Consumer.receive``, ``check_complete``,
        ``read_owned_blocks``)
+10     ``vllm_cp_kv...checks.check_kv_cache_dtype`` no refusal (a probe)    ``CPKV_TEST_ALLOW_FP8=1``
 =====  ===========================================  ======================  ==========================
 
 Why:
@@ -70,6 +71,9 @@ Why:
      pause a pull between the prefill ranks' reads and drop the logical
      positions (the negative control); ``CPKV_TEST_IGNORE_POSITIONS=1``
      drops them for every pull. Why and how: :mod:`pd_hooks`.
+10.  Test-only: lets a dense MLA model start with an FP8 KV cache and
+     sharded KV, which the plugin refuses (row ``fp8-dense``) until runs
+     show it right: the GPU matrix's FP8 probe runs (issue 39).
 """
 
 from __future__ import annotations
@@ -293,6 +297,10 @@ def patch_pd_consumer(m) -> None:
     pd_hooks.patch_consumer(m)
 
 
+def patch_allow_fp8(m) -> None:
+    m.check_kv_cache_dtype = lambda kv_cache_dtype, sparse: None
+
+
 def _table() -> dict:
     t = {}
     if os.environ.get("ONEGPU") == "1":
@@ -307,6 +315,8 @@ def _table() -> dict:
     if os.environ.get("CPKV_TEST_HOOKS") == "1":
         t["vllm_cp_kv.integration.connector.scheduler"] = patch_pd_scheduler
         t["vllm_cp_kv.integration.connector.consumer"] = patch_pd_consumer
+    if os.environ.get("CPKV_TEST_ALLOW_FP8") == "1":
+        t["vllm_cp_kv.integration.checks"] = patch_allow_fp8
     return t
 
 
