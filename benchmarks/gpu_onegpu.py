@@ -137,6 +137,10 @@ def runs() -> dict:
         r[f"tp2-{k}-fp8-plain"] = ("moe", tp2 + be + GRAPHS + ["--no-plugin"], True, {})
         r[f"tp2-{k}-fp8-shard"] = ("moe", tp2 + be + GRAPHS + SHARD, True,
                                    {"CPKV_TEST_ALLOW_FP8": "1"})
+        r[f"tp2-{k}-fp8-debug"] = ("moe", tp2 + be + SHARD, True,
+                                   {"CPKV_TEST_ALLOW_FP8": "1", **DEBUG})
+    r["pd-tp2-nixl-fp8"] = ("pd", ["--prefill-tp", "2", "--prefill-pcp", "1", "--cuda-graphs",
+                                   *fp8], True, {"CPKV_TEST_ALLOW_FP8": "1"})
     r["pd-tp2-nixl"] = ("pd", ["--prefill-tp", "2", "--prefill-pcp", "1", "--cuda-graphs"],
                         True, {})
     # every sharded prefill layout into a TP=1 decode and a PCP=2 prefill
@@ -179,11 +183,13 @@ GROUPS["pd"] = [f"pd-{lay}-{tr}" for lay in ("tp2", "pcp2", "pcp2-shard2")
 # three dense backends in graphs against TP=2 unsharded, the debug switch,
 # PCP dense and sparse, MTP k=2, prefix hits, P/D over NIXL
 GROUPS["v034"] = ["tp1-FA-plain"] + [f"tp2-{k}-{v}" for k in BACKENDS for v in ("plain", "shard")] + [
-    "tp2-FA-debug", "pcp2-dense-plain", "pcp2-dense-shard", "pcp2-fms-plain-eager",
+    "tp2-FA-debug", "tp2-FA-plain-eager", "pcp2-dense-plain", "pcp2-dense-shard",
+    "pcp2-fms-plain-eager",
     "pcp2-fms-shard-eager", "tp2-FA-mtp2-plain", "tp2-FA-mtp2-shard", "tp2-prefix-plain",
     "tp2-prefix-shard", "pd-tp2-nixl"]
 GROUPS["fp8"] = [f"tp{t}-{k}-fp8-{v}" for k in ("FM", "TR", "FA")
-                 for t, v in ((1, "plain"), (2, "plain"), (2, "shard"))]
+                 for t, v in ((1, "plain"), (2, "plain"), (2, "shard"))] + [
+    "tp2-FM-fp8-debug", "tp2-TR-fp8-debug", "pd-tp2-nixl-fp8"]
 GROUPS["again"] = ["pd-tp2-nixl", "pcp2-moe-base", "pcp2-moe-shard", "tp4-plain-eager"] + [
     f"pcp2-{k}-{v}-eager" for k in SPARSE for v in ("plain", "shard")]
 
@@ -452,6 +458,8 @@ def fp8_check(out, results) -> None:
         c["within_noise_floor"] = within_floor(c["agreement"], floor)
         c["ok"] = c["capacity_ratio"] >= 1.95 and c["within_noise_floor"] and \
             c.get("owned_writes_ok", True)
+        pair(out, f"tp2-{b}-fp8-eager-debug", results, f"tp2-{k}-fp8-debug",
+             f"tp2-{k}-fp8-plain", 2, 1.95)
 
 
 def prefix_check(out, results) -> None:

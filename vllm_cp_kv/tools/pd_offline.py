@@ -106,6 +106,8 @@ def _llm(a, role: str):
         kw["enable_prefix_caching"] = True
     if a.spec:  # every side: the prefill fills the draft layer's KV too
         kw["speculative_config"] = json.loads(a.spec)
+    if a.kv_cache_dtype:  # every side (an FP8 decode reads the prefill's FP8 bytes)
+        kw["kv_cache_dtype"] = a.kv_cache_dtype
     if role != "reference":
         kw["kv_role"] = "kv_producer" if role == "prefill" else "kv_consumer"
         kw["kv_extra"] = {"transport": a.transport, "side_channel_port": a.port,
@@ -375,6 +377,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--decode-prefix-caching", action="store_true",
                     help="GPU: keep the decode's own prefix caching on")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", default=None,
+                    help="every instance's KV cache dtype (e.g. fp8), the reference's too")
     ap.add_argument("--block-size", type=int, default=None,
                     help="CPU default 32; GPU default 64")
     ap.add_argument("--max-num-seqs", type=int, default=NUM_PROMPTS,
