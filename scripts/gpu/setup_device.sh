@@ -43,4 +43,27 @@ new = """        try:
 if old in s:
     open(p, "w").write(s.replace(old, new))
     print("deepseek_v32 fused-q: CuteDSL import made optional")
+# vLLM 0.34's kernel warmup imports MiniMax-M3's MSA warmup on every CUDA
+# worker, whose modules import CuTe DSL at the top: without it in the
+# payload, skip that warmup (it serves MiniMax-M3 models only)
+p = "/root/site/vllm/model_executor/warmup/kernel_warmup.py"
+s = open(p).read()
+old = """        from vllm.model_executor.warmup.minimax_m3_msa_warmup import (
+            minimax_m3_msa_warmup,
+        )
+
+        minimax_m3_msa_warmup(worker)
+"""
+new = """        try:
+            from vllm.model_executor.warmup.minimax_m3_msa_warmup import (
+                minimax_m3_msa_warmup,
+            )
+        except ImportError:  # no CuteDSL in the payload: MiniMax-M3 only
+            minimax_m3_msa_warmup = lambda worker: None
+
+        minimax_m3_msa_warmup(worker)
+"""
+if old in s:
+    open(p, "w").write(s.replace(old, new))
+    print("kernel warmup: MiniMax-M3 MSA warmup made optional")
 PY

@@ -12,8 +12,10 @@ over the PCP group needs, and :func:`make_runner_cls` selects it through
   gather is a collective: each step the manager records the global batch
   (:class:`~vllm_cp_kv.integration.planning.PCPStep`) so that every rank's
   metadata builder derives the same plan.
-* **MoE padding.** Under PCP vLLM's MoE layers route the PCP-gathered tokens
-  but read the rank-local padding mask (vLLM 0.32: ``topk_softmax ...
+* **MoE padding** (vLLM 0.32 only: from 0.33 vLLM's manager gathers the
+  mask itself, ``vllm_api.vllm_gathers_moe_padding``). Under PCP vLLM 0.32's
+  MoE layers route the PCP-gathered tokens
+  but read the rank-local padding mask (``topk_softmax ...
   is_padding size mismatch``); the manager writes each step's gathered mask
   (every rank's own padding, from vLLM's split) into a buffer of its own
   that outlives the step, as vLLM keeps its local mask (a captured MoE
@@ -135,11 +137,12 @@ class CPKVPCPManager(LastTokenPCPManager):
         g = self.global_batch
         n = g.num_reqs
         sched = np.asarray(g.num_scheduled_tokens)
-        padded = local.is_padding.shape[0]
-        mask = gathered_padding_mask(rank_token_counts(self, sched, g.is_prefilling_np),
-                                     padded)
-        self.cp_kv_padding = (local.is_padding,
-                              self.cp_kv_write_padding(mask.view(-1, padded)))
+        if not vllm_api.vllm_gathers_moe_padding():  # 0.32: the plugin gathers it
+            padded = local.is_padding.shape[0]
+            mask = gathered_padding_mask(rank_token_counts(self, sched, g.is_prefilling_np),
+                                         padded)
+            self.cp_kv_padding = (local.is_padding,
+                                  self.cp_kv_write_padding(mask.view(-1, padded)))
         runtime = self.cp_kv_runtime()
         if runtime is None:  # vLLM's profile run, before the worker made it
             return local

@@ -31,7 +31,8 @@ no.    target (vLLM 0.32)                                      how
 6      ``cpu_triton_utils._compute_slot_mapping_kernel_impl``  rebinds
 7      ``InputProcessor._validate_params``                     rebinds
 8      ``get_dcp_group`` in vLLM's MLA modules, DCP size       scoped view
-9      V2 ``set_forward_context`` (runner, capture, drafter)   rebinds
+9      V2 ``set_forward_context`` (runner, capture, drafter)   rebinds (0.32)
+       0.33+: ``PCPManager.moe_is_padding``                    relies on
 10     ``DeepseekV32IndexerCache.get_attn_backend``,           rebinds
        ``deepseek_v32.attention.sparse_attn_indexer``
 11     ``triton_mla.decode_attention_fwd``                     scoped view
@@ -229,7 +230,12 @@ REGISTRY = (
                   "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator:"
                   "set_forward_context",
                   "vllm.v1.worker.gpu.model_runner:GPUModelRunner.pcp_manager_cls"),
-              params=("attn_metadata", "vllm_config", "is_padding")),
+              params=("attn_metadata", "vllm_config", "is_padding"), releases=((0, 32),),
+              why="from 0.33 vLLM's PCP manager gathers the MoE padding mask itself"),
+    Rebinding(9, (f"{_PCP}:PCPManager.__init__", f"{_PCP}:PCPManager.moe_is_padding"),
+              params=("moe_gathers_tokens",), releases=((0, 33), (0, 34)),
+              why="0.32's PCP manager hands the MoE layers the rank-local mask (the "
+                  "plugin gathers it)"),
     Rebinding(10, ("vllm.model_executor.models.deepseek_v2:"
                    "DeepseekV32IndexerCache.get_attn_backend",
                    "vllm.models.deepseek_v32.attention:sparse_attn_indexer")),
@@ -482,6 +488,13 @@ def reserve_decode_workspace(builder, backend_name: str, vllm_config=None) -> No
 
         values.append(get_kv_cache_spec_sliding_window(builder.kv_cache_spec))
     triton_mla._reserve_attn_logits_workspace(**dict(zip(RESERVE_WORKSPACE, values)))
+
+
+def vllm_gathers_moe_padding() -> bool:
+    """Item 9: from 0.33 vLLM's PCP manager hands the MoE layers the
+    PCP-gathered padding mask itself (``moe_is_padding``); on 0.32 they read
+    the rank-local one and the plugin gathers it."""
+    return installed()[0] != (0, 32)
 
 
 def uses_v2_runner(worker) -> bool:

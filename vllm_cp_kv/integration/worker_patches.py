@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+from . import vllm_api
 from .options import enabled, sharding
 
 _WORKER_PATCHES: set[str] = set()
@@ -170,7 +171,7 @@ def patch_v2_speculator() -> None:
 def register_worker(vllm_config, v2_runner: bool) -> None:
     """Items 9, 10, 14 and 15 where they apply: called once by the sharded
     worker before vLLM builds its model runner and model."""
-    if v2_runner:
+    if v2_runner and not vllm_api.vllm_gathers_moe_padding():
         patch_forward_context()
     if sharding(vllm_config) and getattr(vllm_config.model_config.hf_text_config,
                                           "index_topk", None):
