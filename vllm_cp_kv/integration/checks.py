@@ -85,8 +85,11 @@ def check_engine_args(args, options: CPKVOptions) -> None:
     if pcp > 1 and tp > 1:
         raise CPKVConfigError(
             f"cp_kv: sharding with both --tensor-parallel-size={tp} and "
-            f"--prefill-context-parallel-size={pcp} is not supported yet; the KV "
-            "shard group is the PCP group with TP 1, or the TP group without PCP.")
+            f"--prefill-context-parallel-size={pcp} is not supported yet (one shard "
+            f"group of all {pcp * tp} ranks: its numbering and decode merge are built, "
+            "the runtime over it has not run); the KV shard group is the PCP group "
+            "with TP 1, or the TP group without PCP. `vllm-cp-kv capacity --pcp "
+            f"{pcp} --tp {tp}` shows what it would hold.")
     if _on_gpu() and not args.enforce_eager:
         check_cuda_graphs(args.compilation_config)
     if options.prefetch and (pcp > 1 or options.decode != "lse"):

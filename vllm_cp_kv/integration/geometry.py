@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.groups import PCPxTP
 from ..core.ownership import CPShardSpec
 from .options import options_of
 
 
 def shard_group_size(tp: int, pcp: int) -> int:
-    """Ranks of the KV shard group: PCP when > 1 (with TP 1), else TP."""
-    return pcp if pcp > 1 else tp
+    """Ranks of the KV shard group: all PCP x TP ranks (the PCP group with TP
+    1, the TP group without PCP; both at once, ``core.groups.PCPxTP``, is
+    refused at startup until it has run: row pcp-and-tp)."""
+    return PCPxTP(pcp, tp).size
 
 
 def group_size_of(vllm_config) -> int:

@@ -71,7 +71,8 @@ def capacity(a) -> int:
         max_model_len=max_len, cap_blocks=a.max_scratch_blocks,
         chunked=chunked_context(layout, a), workspace_tokens=a.workspace_tokens)
     if a.json:
-        print(json.dumps({**got, "shard_size": n, "budget_bytes": budget,
+        print(json.dumps({**got, "shard_size": n, "pcp": a.pcp, "tp": a.tp,
+                          "starts": not (a.pcp > 1 and a.tp > 1), "budget_bytes": budget,
                           "bytes_per_token": layout["layers"] * (layout["latent"]
                                                                  + layout["indexer"])}))
         return 0
@@ -83,6 +84,9 @@ def capacity(a) -> int:
     print(f"sharded over {n} ranks:     {got['sharded']:>14,} tokens "
           f"({got['ratio']:.2f}x; scratch {got['scratch_blocks']} blocks of one layer, "
           f"{'the chunked context' if chunked_context(layout, a) else 'the whole view'})")
+    if a.pcp > 1 and a.tp > 1:
+        print(f"note            PCP {a.pcp} x TP {a.tp}: one shard group of {n} ranks; "
+              "refused at startup until it has run (docs/startup-checks.md, pcp-and-tp)")
     return 0
 
 

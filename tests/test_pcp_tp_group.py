@@ -1,0 +1,150 @@
+"""One KV shard group over PCP x TP (core/groups.py, issue 40), on CPU where
+vLLM's PCP itself cannot run (its V2 runner is GPU-only).
+
+* The numbering against vLLM's own: 4 processes build vLLM's groups
+  (``initialize_model_parallel`` with TP=2, PCP=2 and a DCP group over both,
+  gloo) and read each rank's TP, PCP and DCP rank; the layout's shard rank
+  must be the DCP rank (what vLLM's slot mapping writes by), its world rank
+  the process's.
+* The decode's merge over those very groups: each rank's cache holds the
+  tokens vLLM's slot-mapping kernel (transcribed, harness/reference.py)
+  stores at its DCP rank; each attends with all heads to the tokens it owns
+  and :func:`merge_partials` merges; every rank's heads must equal attention
+  over the whole sequence (float64). Negative controls: the merge without
+  the PCP sum, and the shard rank numbered as the world rank (TP first),
+  both answer wrong.
+* The arithmetic for every small layout.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from builders import spawn_ranks
+from conftest import needs_vllm
+from harness.reference import attention, stored_at
+from vllm_cp_kv.core.decode import paged_attention_with_lse
+from vllm_cp_kv.core.groups import PCPxTP, merge_partials
+from vllm_cp_kv.core.ownership import CPShardSpec, owned_token_count
+
+BS, D, V, H = 16, 576, 512, 4
+SCALE = 0.07
+LENS = [1, 15, 16, 33, 100, 257, 511]  # ranks with nothing, partial blocks
+
+
+@pytest.mark.parametrize("pcp,tp", [(1, 1), (2, 1), (1, 4), (2, 2), (2, 4), (4, 2), (3, 2)])
+def test_numberings_are_permutations_and_round_trip(pcp, tp):
+    g = PCPxTP(pcp, tp)
+    pairs = [(p, t) for p in range(pcp) for t in range(tp)]
+    assert sorted(g.shard_rank(p, t) for p, t in pairs) == list(range(g.size))
+    assert sorted(g.world_rank(p, t) for p, t in pairs) == list(range(g.size))
+    assert all(g.coords(g.shard_rank(p, t)) == (p, t) for p, t in pairs)
+    # TP ranks of one PCP rank split the heads; PCP ranks of one TP rank share them
+    heads = [list(range(8))[g.heads(t, 8)] for t in range(tp)]
+    assert sum(heads, []) == list(range(8))
+    with pytest.raises(ValueError):
+        g.shard_rank(pcp, 0)
+    with pytest.raises(ValueError):
+        g.coords(g.size)
+
+
+def test_the_numberings_differ_where_both_axes_are_split():
+    """TP first (the world) and PCP first (vLLM's DCP group) agree only when
+    one axis has one rank: why the shard rank cannot be the world rank."""
+    g = PCPxTP(2, 2)
+    assert [g.shard_rank(*divmod(w, 2)) for w in range(4)] == [0, 2, 1, 3]
+    assert all(PCPxTP(1, 4).shard_rank(0, t) == t for t in range(4))
+    assert all(PCPxTP(4, 1).shard_rank(p, 0) == p for p in range(4))
+
+
+def _batch(n):
+    """Whole sequences, a shared virtual block table, the queries (seeded:
+    every process builds the same)."""
+    gen = torch.Generator().manual_seed(40)
+    cols = max(-(-(-(-x // BS)) // n) for x in LENS)
+    ids = torch.randperm(511, generator=gen)[: len(LENS) * cols] + 1
+    table = ids.view(len(LENS), cols).to(torch.int32)
+    seqs = [torch.randn(x, D, generator=gen) for x in LENS]
+    q = torch.randn(len(LENS), H, D, generator=gen)
+    return q, table, seqs
+
+
+def _own_cache(dcp_rank, n, table, seqs):
+    """This rank's cache as vLLM writes it: the tokens its slot mapping
+    stores at ``dcp_rank``."""
+    cache = torch.zeros(512, BS, D)
+    for i, seq in enumerate(seqs):
+        for pos in range(seq.shape[0]):
+            rank, slot = stored_at(pos, table[i].tolist(), BS, n)
+            if rank == dcp_rank:
+                cache[slot // BS, slot % BS] = seq[pos]
+    return cache
+
+
+def _worker(rank, n, port, errors):
+    try:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.distributed import parallel_state as ps
+
+        ps.init_distributed_environment(world_size=n, rank=rank, local_rank=rank,
+                                        distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                        backend="gloo")
+        with set_current_vllm_config(VllmConfig()):
+            ps.initialize_model_parallel(tensor_model_parallel_size=2,
+                                         prefill_context_model_parallel_size=2,
+                                         decode_context_model_parallel_size=4,
+                                         backend="gloo")
+        tp, pcp, dcp = ps.get_tp_group(), ps.get_pcp_group(), ps.get_dcp_group()
+        g = PCPxTP(pcp.world_size, tp.world_size)
+        p, t = pcp.rank_in_group, tp.rank_in_group
+        assert dcp.world_size == g.size == n
+        assert g.shard_rank(p, t) == dcp.rank_in_group, (rank, p, t, dcp.rank_in_group)
+        assert g.world_rank(p, t) == rank
+        groups = (dcp.cpu_group, pcp.cpu_group, tp.cpu_group)
+
+        q, table, seqs = _batch(n)
+        cache = _own_cache(dcp.rank_in_group, n, table, seqs)
+        lens = torch.tensor(LENS)
+
+        def decode(shard_rank, merge=merge_partials):
+            local = owned_token_count(lens, CPShardSpec(shard_rank, n, BS))
+            out, lse = paged_attention_with_lse(q, cache, table, local, SCALE, V)
+            return merge(out, lse, g, *groups)
+
+        mine = g.heads(t, H)
+        want = torch.stack([attention(q[i], seq, SCALE, V)[0] for i, seq in enumerate(seqs)])
+        got = decode(g.shard_rank(p, t))
+        assert got.shape == (len(LENS), H // g.tp, V)
+        assert torch.allclose(got.double(), want[:, mine], atol=1e-5)
+        # negative controls: each must answer wrong on this rank
+        assert not torch.allclose(decode(g.shard_rank(p, t), _merge_without_pcp).double(),
+                                  want[:, mine], atol=1e-3)
+        wrong = decode(g.world_rank(p, t))  # numbered TP first: ranks 1 and 2 swap counts
+        if g.world_rank(p, t) != g.shard_rank(p, t):
+            assert not torch.allclose(wrong.double(), want[:, mine], atol=1e-3)
+        dist.barrier()
+    except Exception:
+        import traceback
+
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+
+
+def _merge_without_pcp(out, lse, g, shard_group, pcp_group, tp_group):
+    """The merge as if the shard group were the TP group alone (LSEs of all
+    ranks, but no sum over the PCP ranks): what a TP-only merge would do."""
+    b, h, d = out.shape
+    lses = torch.empty(g.size * b, h, dtype=torch.float64)
+    dist.all_gather_into_tensor(lses, lse.double().contiguous(), group=shard_group)
+    lses = lses.view(g.size, b, h)
+    top = lses.max(dim=0).values
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    weighted = out.double() * ((lse.double() - top).exp()
+                               / (lses - top).exp().sum(0).clamp(min=1e-30))[..., None]
+    mine = torch.empty(h // g.tp, b, d, dtype=torch.float64)
+    dist.reduce_scatter_tensor(mine, weighted.transpose(0, 1).contiguous(), group=tp_group)
+    return mine.transpose(0, 1)
+
+
+@needs_vllm
+def test_vllms_groups_number_the_shard_group_and_the_merge_is_exact():
+    spawn_ranks(_worker, 4, timeout=300)
