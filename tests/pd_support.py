@@ -163,7 +163,8 @@ class FakeTransport:
         self.progressed += 1
 
 
-def handshake(rank=0, shard_size=2, block_size=16, num_blocks=64, caches=2, transport="nixl"):
+def handshake(rank=0, shard_size=2, block_size=16, num_blocks=64, caches=2, transport="nixl",
+              cache_format="auto"):
     from vllm_cp_kv.integration.connector.side_channel import (Handshake, ShardLayout,
                                                                TransportMeta)
 
@@ -172,7 +173,7 @@ def handshake(rank=0, shard_size=2, block_size=16, num_blocks=64, caches=2, tran
                                        rule="cyclic"),
                      block_bytes=[1152 * block_size] * caches, dtype=["torch.bfloat16"] * caches,
                      layer_addrs=[(1 << 20) * (k + 1) for k in range(caches)],
-                     transport=transport,
+                     transport=transport, cache_format=cache_format,
                      transport_meta=TransportMeta(agent_name=f"agent-{rank}",
                                                   agent_metadata=b"meta"))
 

@@ -324,6 +324,23 @@ def test_a_handshake_mismatch_moves_nothing(prefill):
     assert prefill.ranks[0].take_finished() == set()  # but freed nothing
 
 
+def test_another_fp8_format_is_a_handshake_mismatch(prefill):
+    """Two FP8 caches (e4m3 and e5m2) are the same torch dtype (uint8) and
+    page size: only the cache format tells them apart, and reading the
+    other's bytes would decode garbage. ``fp8`` is vLLM's e4m3."""
+    from vllm_cp_kv.integration.connector.side_channel import cache_format
+
+    assert cache_format("fp8") == cache_format("fp8_e4m3") == "fp8_e4m3"
+    assert cache_format(None) == "auto" and cache_format("fp8_e5m2") == "fp8_e5m2"
+    transport = FakeTransport()
+    consumer = Consumer(handshake(rank=0, shard_size=1, cache_format="fp8_e5m2"), transport,
+                        timeout_s=5, secret=None, tp_size=1)
+    with pytest.raises(Exception, match="handshake mismatch.*cache_format"):
+        consumer.receive("decode-req", [10, 11, 12], params_for(prefill.port))
+    assert transport.reads == []
+    assert not claimed(prefill.ranks[0], "req-A")
+
+
 # ---- shared secret -------------------------------------------------------------------
 def test_the_shared_secret_authenticates_both_directions():
     """With a secret the sockets run CURVE with keys derived from it: a peer

@@ -95,7 +95,8 @@ class ShardedKVConnector(KVConnectorBase_V1, SupportsHMA):
         geometry = geometry_of(self._vllm_config)
         self._worker = WorkerSide.start(
             self.cfg, list(kv_caches.values()), geometry, side_rank(geometry),
-            self.engine_id, self.tp_size, self.is_producer, self.is_consumer)
+            self.engine_id, self.tp_size, self.is_producer, self.is_consumer,
+            kv_cache_dtype=self._vllm_config.cache_config.cache_dtype)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)

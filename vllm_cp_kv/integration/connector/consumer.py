@@ -316,11 +316,11 @@ class Consumer:
         # with this decode's block size and ownership rule
         want = {"rank": rank, "size": p.shard_size, "block_size": mine.shard.block_size,
                 "rule": mine.shard.rule, "block_bytes": mine.block_bytes,
-                "dtype": mine.dtype, "transport": mine.transport,
-                "caches": len(mine.layer_addrs)}
+                "dtype": mine.dtype, "cache_format": mine.cache_format,
+                "transport": mine.transport, "caches": len(mine.layer_addrs)}
         got = {k: getattr(hs.shard, k) for k in ("rank", "size", "block_size", "rule")}
-        got.update(block_bytes=hs.block_bytes, dtype=hs.dtype, transport=hs.transport,
-                   caches=len(hs.layer_addrs))
+        got.update(block_bytes=hs.block_bytes, dtype=hs.dtype, cache_format=hs.cache_format,
+                   transport=hs.transport, caches=len(hs.layer_addrs))
         bad = {k: (got[k], v) for k, v in want.items() if got[k] != v}
         if bad:
             raise ManifestError(f"handshake mismatch with prefill rank {rank} "

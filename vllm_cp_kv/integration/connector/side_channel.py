@@ -183,6 +183,17 @@ class Handshake(Struct, forbid_unknown_fields=True):
     layer_addrs: Annotated[list[U64], Meta(max_length=MAX_CACHES)]
     transport: ShortStr
     transport_meta: TransportMeta
+    # vLLM's --kv-cache-dtype (normalized: ``cache_format``): two FP8 formats
+    # are the same torch dtype (uint8) and page size, but not the same bytes
+    cache_format: ShortStr = "auto"
+
+
+def cache_format(kv_cache_dtype) -> str:
+    """vLLM's ``--kv-cache-dtype`` as the format of the cache's bytes:
+    ``fp8`` is ``fp8_e4m3`` (vLLM's meaning on CUDA); anything else as given
+    (``auto`` is the model dtype, which the handshake's ``dtype`` carries)."""
+    name = str(kv_cache_dtype or "auto")
+    return "fp8_e4m3" if name == "fp8" else name
 
 
 class FetchReply(Struct, tag=True, forbid_unknown_fields=True):

@@ -22,7 +22,7 @@ from .config import ConnectorConfig
 from .consumer import Consumer
 from .counters import TransferCounters
 from .producer import Producer
-from .side_channel import Handshake, ShardLayout, TransportMeta
+from .side_channel import Handshake, ShardLayout, TransportMeta, cache_format
 from .transfer import make_transport
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
@@ -42,8 +42,8 @@ class WorkerSide:
 
     @classmethod
     def start(cls, cfg: ConnectorConfig, caches: list[torch.Tensor], geometry, rank: int,
-              engine_id: str, tp_size: int, is_producer: bool, is_consumer: bool
-              ) -> WorkerSide:
+              engine_id: str, tp_size: int, is_producer: bool, is_consumer: bool,
+              kv_cache_dtype: str = "auto") -> WorkerSide:
         """Register the caches with the transport; a prefill rank starts
         serving its side channel on ``cfg.host:cfg.port + rank``.
         ``geometry``: the worker's ``ShardGeometry`` (sent whole in the
@@ -59,7 +59,8 @@ class WorkerSide:
             # MLA latent; for sparse models also the indexer K/scale cache)
             block_bytes=[t[0].numel() * t.element_size() for t in caches],
             dtype=[str(t.dtype) for t in caches], layer_addrs=[t.data_ptr() for t in caches],
-            transport=cfg.transport, transport_meta=TransportMeta(**transport.register(caches)))
+            transport=cfg.transport, transport_meta=TransportMeta(**transport.register(caches)),
+            cache_format=cache_format(kv_cache_dtype))
         side = cls()
         side.counters = TransferCounters(rank)
         side.device = caches[0].device
