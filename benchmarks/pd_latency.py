@@ -240,8 +240,13 @@ def measure(url: str, model: str, a, vocab: int, seed: int, out: str,
         reqs = prompts(a.requests, a.prompt_len, vocab, seed + k)
         res["gaps"][str(gap)] = stats(sequential(url, model, reqs, a.max_tokens, gap))
     reqs = prompts(a.requests, a.prompt_len, vocab, seed + 50)
-    res["parts"] = (pair_legs(*legs, model, reqs, a.max_tokens) if legs
-                    else single_parts(url, model, reqs, a.max_tokens))
+    if legs:  # the pulls of these requests only (the decode logs each as it ends)
+        log = os.path.join(out, "decode.log")
+        before = len(transfer_seconds(log))
+        res["parts"] = pair_legs(*legs, model, reqs, a.max_tokens)
+        res["parts"]["transfer"] = stats(transfer_seconds(log)[before:])
+    else:
+        res["parts"] = single_parts(url, model, reqs, a.max_tokens)
     res["load"] = bench_serve(url, model, a, out)
     return res
 
@@ -275,19 +280,26 @@ def pair_legs(prefill: str, decode: str, model: str, reqs, max_tokens: int,
 
 
 def breakdown(pair: dict, single: dict, gap: str) -> dict:
-    """Where the pair's added latency goes (p50s, ms): ``proxy`` is what the
-    proxy's hops add to the two legs; ``decode_extra`` is the decode leg
-    beyond a cached-prompt request on one instance and the transfer;
-    ``prefill_extra`` the prefill leg beyond a first-token request."""
+    """Where the pair's added latency (``added``: the pair's p50 minus one
+    instance's at ``gap``, ms) goes; the parts sum to it:
+
+    * ``transfer``: the pulls of the legs' requests (p50);
+    * ``second_request``: two requests instead of one on one instance (a
+      first-token request plus the same request with its prompt cached,
+      minus the whole request): the fixed cost of the decode's own request;
+    * ``proxy``: the pair through the proxy minus its two legs timed directly;
+    * ``prefill_extra``, ``decode_extra``: each leg beyond its one-instance
+      counterpart (the decode's also beyond the transfer): the engine loops.
+    """
     p, s = pair["parts"], single["parts"]
-    transfer = (pair.get("transfer") or {}).get("p50_ms", 0.0)
-    legs = p["prefill_leg"]["p50_ms"] + p["decode_leg"]["p50_ms"]
-    out = {"added": pair["gaps"][gap]["p50_ms"] - single["gaps"][gap]["p50_ms"],
-           "transfer": transfer,
-           "second_request": s["cached_prompt"]["p50_ms"],
-           "proxy": pair["gaps"][gap]["p50_ms"] - legs,
-           "prefill_extra": p["prefill_leg"]["p50_ms"] - s["first_token"]["p50_ms"],
-           "decode_extra": p["decode_leg"]["p50_ms"] - s["cached_prompt"]["p50_ms"] - transfer}
+    transfer = (p.get("transfer") or pair.get("transfer") or {}).get("p50_ms", 0.0)
+    first, cached = s["first_token"]["p50_ms"], s["cached_prompt"]["p50_ms"]
+    whole, through = single["gaps"][gap]["p50_ms"], pair["gaps"][gap]["p50_ms"]
+    out = {"added": through - whole, "transfer": transfer,
+           "second_request": first + cached - whole,
+           "proxy": through - p["prefill_leg"]["p50_ms"] - p["decode_leg"]["p50_ms"],
+           "prefill_extra": p["prefill_leg"]["p50_ms"] - first,
+           "decode_extra": p["decode_leg"]["p50_ms"] - cached - transfer}
     return {k: round(v, 1) for k, v in out.items()}
 
 

@@ -65,12 +65,12 @@ MUTATIONS = [
      "tests/test_startup_checks.py::test_row_cuda_graphs"),
     ("vllm_cp_kv/tools/compat.py", "    for target, params in item.signatures:",
      "    for target, params in ():", "tests/test_compat.py"),
-    # PCP x TP (issue 40): the merge without the PCP sum; the shard rank
-    # numbered as the world rank (TP first) instead of vLLM's DCP rank
-    ("vllm_cp_kv/core/groups.py", "        dist.all_reduce(weighted, group=pcp_group)",
+    # PCP x TP (issue 40): the merge without the PCP sum; vLLM 0.32's DCP
+    # numbering (PCP first) replaced by the world's
+    ("vllm_cp_kv/core/groups.py", "        dist.all_reduce(mine, group=pcp_group)",
      "        pass", "tests/test_pcp_tp_group.py"),
-    ("vllm_cp_kv/core/groups.py", "        return tp_rank * self.pcp + pcp_rank",
-     "        return pcp_rank * self.tp + tp_rank", "tests/test_pcp_tp_group.py"),
+    ("vllm_cp_kv/core/groups.py", "            return tp_rank * self.pcp + pcp_rank",
+     "            return pcp_rank * self.tp + tp_rank", "tests/test_pcp_tp_group.py"),
 ]
 
 # the suite's share: a decode buffer rewritten in place, the PCP mask's

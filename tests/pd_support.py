@@ -194,7 +194,8 @@ def server_alive(server) -> bool:
     return server._thread.is_alive()
 
 
-def serve_ranks(requests: dict, table, num_tokens: int, secret=None, expiry_s: float = 60.0):
+def serve_ranks(requests: dict, table, num_tokens: int, secret=None, expiry_s: float = 60.0,
+                cache_format: str = "auto"):
     """Two prefill ranks (``Producer``, shard size 2, block 16, a FakeTransport)
     on consecutive free ports, serving each ``requests`` id with its token on
     ``table``. Returns a namespace with ``port`` (rank 0's) and ``ranks``."""
@@ -206,7 +207,8 @@ def serve_ranks(requests: dict, table, num_tokens: int, secret=None, expiry_s: f
     port = free_port(consecutive=2)
     ranks = []
     for r in range(2):
-        p = Producer(handshake(rank=r), expiry_s, transport=FakeTransport())
+        p = Producer(handshake(rank=r, cache_format=cache_format), expiry_s,
+                     transport=FakeTransport())
         p.serve("127.0.0.1", port + r, secret)
         for req, token in requests.items():
             p.add(req, table, num_tokens, token)

@@ -3,9 +3,10 @@ vLLM's PCP itself cannot run (its V2 runner is GPU-only).
 
 * The numbering against vLLM's own: 4 processes build vLLM's groups
   (``initialize_model_parallel`` with TP=2, PCP=2 and a DCP group over both,
-  gloo) and read each rank's TP, PCP and DCP rank; the layout's shard rank
-  must be the DCP rank (what vLLM's slot mapping writes by), its world rank
-  the process's.
+  gloo) and read each rank's TP, PCP and DCP rank; on vLLM 0.32 the DCP rank
+  (what its slot mapping writes by) must be the layout's PCP-first shard
+  rank, and the order of a collective's output over that group the world
+  order (torch's), which is why vLLM 0.34 sorted the group.
 * The decode's merge over those very groups: each rank's cache holds the
   tokens vLLM's slot-mapping kernel (transcribed, harness/reference.py)
   stores at its DCP rank; each attends with all heads to the tokens it owns
@@ -32,9 +33,10 @@ SCALE = 0.07
 LENS = [1, 15, 16, 33, 100, 257, 511]  # ranks with nothing, partial blocks
 
 
+@pytest.mark.parametrize("pcp_first", [True, False])
 @pytest.mark.parametrize("pcp,tp", [(1, 1), (2, 1), (1, 4), (2, 2), (2, 4), (4, 2), (3, 2)])
-def test_numberings_are_permutations_and_round_trip(pcp, tp):
-    g = PCPxTP(pcp, tp)
+def test_numberings_are_permutations_and_round_trip(pcp, tp, pcp_first):
+    g = PCPxTP(pcp, tp, pcp_first)
     pairs = [(p, t) for p in range(pcp) for t in range(tp)]
     assert sorted(g.shard_rank(p, t) for p, t in pairs) == list(range(g.size))
     assert sorted(g.world_rank(p, t) for p, t in pairs) == list(range(g.size))
@@ -49,12 +51,14 @@ def test_numberings_are_permutations_and_round_trip(pcp, tp):
 
 
 def test_the_numberings_differ_where_both_axes_are_split():
-    """TP first (the world) and PCP first (vLLM's DCP group) agree only when
-    one axis has one rank: why the shard rank cannot be the world rank."""
-    g = PCPxTP(2, 2)
+    """TP first (the world, vLLM 0.34's DCP group) and PCP first (0.32 and
+    0.33's) agree only when one axis has one rank."""
+    g = PCPxTP(2, 2, pcp_first=True)
     assert [g.shard_rank(*divmod(w, 2)) for w in range(4)] == [0, 2, 1, 3]
-    assert all(PCPxTP(1, 4).shard_rank(0, t) == t for t in range(4))
-    assert all(PCPxTP(4, 1).shard_rank(p, 0) == p for p in range(4))
+    assert [PCPxTP(2, 2).shard_rank(*divmod(w, 2)) for w in range(4)] == [0, 1, 2, 3]
+    for first in (True, False):
+        assert all(PCPxTP(1, 4, first).shard_rank(0, t) == t for t in range(4))
+        assert all(PCPxTP(4, 1, first).shard_rank(p, 0) == p for p in range(4))
 
 
 def _batch(n):
@@ -95,12 +99,17 @@ def _worker(rank, n, port, errors):
                                          decode_context_model_parallel_size=4,
                                          backend="gloo")
         tp, pcp, dcp = ps.get_tp_group(), ps.get_pcp_group(), ps.get_dcp_group()
-        g = PCPxTP(pcp.world_size, tp.world_size)
+        g = PCPxTP(pcp.world_size, tp.world_size, pcp_first=True)  # vLLM 0.32's numbering
         p, t = pcp.rank_in_group, tp.rank_in_group
         assert dcp.world_size == g.size == n
         assert g.shard_rank(p, t) == dcp.rank_in_group, (rank, p, t, dcp.rank_in_group)
         assert g.world_rank(p, t) == rank
         groups = (dcp.cpu_group, pcp.cpu_group, tp.cpu_group)
+        # torch orders the group's collectives by world rank, not by vLLM's
+        # rank_in_group: slot i of a gather holds world rank i
+        slots = torch.zeros(n, dtype=torch.int64)
+        dist.all_gather_into_tensor(slots, torch.tensor([rank]), group=groups[0])
+        assert slots.tolist() == [PCPxTP(2, 2).shard_rank(*divmod(w, 2)) for w in range(n)]
 
         q, table, seqs = _batch(n)
         cache = _own_cache(dcp.rank_in_group, n, table, seqs)
@@ -119,7 +128,7 @@ def _worker(rank, n, port, errors):
         # negative controls: each must answer wrong on this rank
         assert not torch.allclose(decode(g.shard_rank(p, t), _merge_without_pcp).double(),
                                   want[:, mine], atol=1e-3)
-        wrong = decode(g.world_rank(p, t))  # numbered TP first: ranks 1 and 2 swap counts
+        wrong = decode(g.world_rank(p, t))  # the other numbering: ranks 1 and 2 swap counts
         if g.world_rank(p, t) != g.shard_rank(p, t):
             assert not torch.allclose(wrong.double(), want[:, mine], atol=1e-3)
         dist.barrier()

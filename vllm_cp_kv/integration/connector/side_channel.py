@@ -189,10 +189,16 @@ class Handshake(Struct, forbid_unknown_fields=True):
 
 
 def cache_format(kv_cache_dtype) -> str:
-    """vLLM's ``--kv-cache-dtype`` as the format of the cache's bytes:
-    ``fp8`` is ``fp8_e4m3`` (vLLM's meaning on CUDA); anything else as given
-    (``auto`` is the model dtype, which the handshake's ``dtype`` carries)."""
+    """vLLM's ``--kv-cache-dtype`` as the format of the cache's bytes: an
+    FP8 format by name (``fp8`` is ``fp8_e4m3``, vLLM's meaning on CUDA),
+    else ``auto``: a 16-bit cache's format is its torch dtype, which the
+    handshake's ``dtype`` carries (``auto`` on a bf16 model and ``bfloat16``
+    hold the same bytes). vLLM's per-layer FP8 scales are not compared: both
+    sides must load them alike (the same checkpoint; no ``calculate_kv_scales``
+    on one side only)."""
     name = str(kv_cache_dtype or "auto")
+    if not name.startswith("fp8"):
+        return "auto"
     return "fp8_e4m3" if name == "fp8" else name
 
 
