@@ -35,7 +35,7 @@ MUTATIONS = [
      "        pass", "tests/test_startup_checks.py::test_row_cuda_graphs"),
     ("vllm_cp_kv/integration/checks.py", "        derive_torch_rope(args.compilation_config)",
      "        pass", "tests/test_startup_checks.py::test_derived_settings"),
-    ("vllm_cp_kv/integration/geometry.py", "    return pcp if pcp > 1 else tp", "    return tp",
+    ("vllm_cp_kv/integration/geometry.py", "    return PCPxTP(pcp, tp).size", "    return tp",
      "tests/test_startup_checks.py tests/test_capacity.py"),
     ("vllm_cp_kv/integration/runtime.py",
      "        if self._batch is not None:\n            yield self._batch",
