@@ -292,7 +292,7 @@ def breakdown(pair: dict, single: dict, gap: str) -> dict:
       counterpart (the decode's also beyond the transfer): the engine loops.
     """
     p, s = pair["parts"], single["parts"]
-    transfer = (p.get("transfer") or pair.get("transfer") or {}).get("p50_ms", 0.0)
+    transfer = p["transfer"]["p50_ms"]
     first, cached = s["first_token"]["p50_ms"], s["cached_prompt"]["p50_ms"]
     whole, through = single["gaps"][gap]["p50_ms"], pair["gaps"][gap]["p50_ms"]
     out = {"added": through - whole, "transfer": transfer,

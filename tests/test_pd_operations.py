@@ -179,7 +179,9 @@ def test_a_decode_reading_kv_steps_without_the_engine_wait(engine_step):
     t0 = time.monotonic()
     engine_step(engine)
     assert time.monotonic() - t0 < 0.05
-    side.update_connector_output(SimpleNamespace(finished_sending=None, finished_recving={"r1"},
+    # r2 failed: reported finished as well (Consumer._run)
+    side.update_connector_output(SimpleNamespace(finished_sending=None,
+                                                 finished_recving={"r1", "r2"},
                                                  failed_recving={"r2"}))
     side.build_connector_meta(SimpleNamespace())
     assert side.has_reads_in_flight()  # r3 still reading

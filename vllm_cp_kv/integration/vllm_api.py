@@ -479,7 +479,8 @@ def reserve_decode_workspace(builder, backend_name: str, vllm_config=None) -> No
     such workspace."""
     if backend_name != "TRITON_MLA":
         return
-    if installed()[0] == (0, 32):
+    release = installed()[0]
+    if release == (0, 32):
         builder._reserve_attn_logits_workspace()
         return
     from vllm.v1.attention.backends.mla import triton_mla
@@ -487,7 +488,7 @@ def reserve_decode_workspace(builder, backend_name: str, vllm_config=None) -> No
     values = [vllm_config,
               vllm_config.scheduler_config.max_num_seqs * builder.reorder_batch_threshold,
               builder.num_heads * builder.dcp_world_size, builder.mla_dims.kv_lora_rank]
-    if installed()[0] != (0, 33):  # 0.34: the layer's sliding window too
+    if release != (0, 33):  # 0.34: the layer's sliding window too
         from vllm.v1.kv_cache_interface import get_kv_cache_spec_sliding_window
 
         values.append(get_kv_cache_spec_sliding_window(builder.kv_cache_spec))
@@ -505,9 +506,9 @@ def uses_v2_runner(worker) -> bool:
     """Whether vLLM's GPU worker builds the V2 model runner (item 21): its
     ``use_v2_model_runner`` choice up to 0.33; from 0.34 the V2 runner is the
     GPU worker's only one (the multimodal encoder-only runner aside)."""
-    if installed()[0] in ((0, 32), (0, 33)):
-        return bool(getattr(worker, "use_v2_model_runner", False)) and \
-            not worker.vllm_config.is_mm_encoder_only
+    if installed()[0] in ((0, 32), (0, 33)) and not getattr(worker, "use_v2_model_runner",
+                                                            False):
+        return False
     return not worker.vllm_config.is_mm_encoder_only  # no CPU build of 0.34 exists
 
 

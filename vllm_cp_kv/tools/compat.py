@@ -114,19 +114,28 @@ def _assigns(target: str, obj, fields) -> list[str]:
     return [f"{target}: no longer assigns {missing}"] if missing else []
 
 
-def check_all(registry=None, release=None, build=None) -> dict[int, list[str]]:
-    """``{item number: problems}`` for the registry entries that apply to
-    the installed vLLM (``vllm_api.applies``: an item listed once per
-    spelling is checked in the spelling of this release and build)."""
+def check_entries(registry=None, release=None, build=None) -> list[tuple]:
+    """``(entry, problems)`` for each registry entry that applies to the
+    installed vLLM (``vllm_api.applies``: an item listed once per spelling
+    is checked in the spelling of this release and build)."""
     from ..integration.vllm_api import applies
 
     if registry is None:
         from ..integration.vllm_api import REGISTRY as registry
+    return [(item, check_item(item)) for item in registry if applies(item, release, build)]
+
+
+def by_number(entries) -> dict[int, list[str]]:
+    """``{item number: problems}`` of :func:`check_entries`' result."""
     report: dict[int, list[str]] = {}
-    for item in registry:
-        if applies(item, release, build):
-            report.setdefault(item.no, []).extend(check_item(item))
+    for item, problems in entries:
+        report.setdefault(item.no, []).extend(problems)
     return report
+
+
+def check_all(registry=None, release=None, build=None) -> dict[int, list[str]]:
+    """``{item number: problems}`` for the entries that apply."""
+    return by_number(check_entries(registry, release, build))
 
 
 def not_applicable(registry=None, release=None, build=None) -> list:
@@ -157,28 +166,29 @@ def checks_of(item) -> list[str]:
 def main(as_json: bool = False) -> int:
     import vllm
 
-    from ..integration.vllm_api import REGISTRY, applies, installed
+    from ..integration.vllm_api import REGISTRY, installed
 
-    report = check_all()
-    release, build = installed()
+    entries = check_entries()
+    report = by_number(entries)
+    problems_of = {id(item): problems for item, problems in entries}
+    build = installed()[1]
     skipped = {item.no: item.why for item in not_applicable() if item.no not in report}
     if as_json:
         print(json.dumps({"vllm": vllm.__version__, "build": build, "items": report,
                           "not_applicable": skipped,
-                          "checks": {item.no: checks_of(item) for item in REGISTRY
-                                     if applies(item)}}))
+                          "checks": {item.no: checks_of(item) for item, _ in entries}}))
     else:
         print(f"vLLM {vllm.__version__} ({build} build): {len(report)} registry items apply "
               "(integration/vllm_api.py): every private vLLM name the plugin touches")
-        for item in REGISTRY:
-            if not applies(item):
+        for item in REGISTRY:  # in the registry's order, the entries that do not apply too
+            if id(item) not in problems_of:
                 if item.no in skipped:
                     print(f"  item {item.no:>2}: not in this vLLM ({item.why})")
                 continue
-            problems = report[item.no]
+            problems = problems_of[id(item)]
             print(f"  item {item.no:>2}: {'ok' if not problems else 'MOVED'}")
             for line in checks_of(item):
                 print(f"           {line}")
-            for p in check_item(item):
+            for p in problems:
                 print(f"           MOVED: {p}")
     return 1 if any(report.values()) else 0

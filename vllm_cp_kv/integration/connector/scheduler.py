@@ -118,9 +118,9 @@ class SchedulerSide:
             self._pending_sends.discard(req_id)
         if connector_output.finished_recving:  # those requests can be scheduled now
             self._received = True
-        for req_id in (*(connector_output.finished_recving or ()),
-                       *(getattr(connector_output, "failed_recving", None) or ())):
-            self._recving.discard(req_id)
+        # a failed read is reported finished too (Consumer._run; vLLM's
+        # aggregator over TP workers counts it as such)
+        self._recving.difference_update(connector_output.finished_recving or ())
 
     def has_pending_push_work(self) -> bool:
         # keep the engine stepping so workers learn of finished transfers
