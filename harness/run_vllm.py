@@ -61,7 +61,34 @@ def _sentinel(cache):
 def _poison(worker):
     for cache in _caches(worker):
         cache.fill_(_sentinel(cache))
+    _repoison_zeroed_blocks(worker)
     return len(_caches(worker))
+
+
+def _repoison_zeroed_blocks(worker) -> None:
+    """vLLM 0.33+ zeroes every newly allocated block before the forward
+    where its caches differ in precision (``needs_kv_cache_zeroing``: the
+    sparse model's fp8_ds_mla latent next to its indexer cache), on every
+    rank, whole blocks: to the counts a zeroed row would look written. The
+    blocks are filled with the sentinel again after vLLM's zeroing (0x5A is
+    a finite FP8 value, so no NaN gets in where zeros were meant)."""
+    import torch
+
+    runner = worker.model_runner
+    zeroer = getattr(runner, "kv_block_zeroer", None) or getattr(runner, "_kv_block_zeroer", None)
+    if zeroer is None or getattr(zeroer, "_cp_kv_poison", False):
+        return
+    zero = zeroer.zero_block_ids
+
+    def zero_then_poison(ids, *args, **kwargs):
+        out = zero(ids, *args, **kwargs)
+        if len(ids):
+            idx = torch.as_tensor(list(ids), dtype=torch.long)
+            for cache in _caches(worker):
+                cache[idx.to(cache.device)] = _sentinel(cache)
+        return out
+
+    zeroer.zero_block_ids, zeroer._cp_kv_poison = zero_then_poison, True
 
 
 def _written(worker):

@@ -187,3 +187,24 @@ def test_the_pcp_padding_mask_keeps_its_storage(monkeypatch):
     dummy = pcp.gathered_padding(True, None, torch.tensor([False, True, True]), 2)
     assert dummy.data_ptr() == masks[0].data_ptr()
     assert dummy.tolist() == [False, True, True] * 2
+
+
+@pytest.mark.parametrize("dummy", [True, False])
+def test_the_owned_writes_check_skips_vllms_dummy_runs_only(dummy):
+    """vLLM 0.34's V2 runner fills a dummy run's slot mapping with -1 (no
+    write): the debug switch's owned-writes check does not apply there (it
+    stopped the warmup of every debug run on the H200). In a real step the
+    same -1 slots, where this rank owns a block, are lost KV and raise."""
+    from vllm_cp_kv.core.debug import CPKVInvariantError
+    from vllm_cp_kv.integration.planning import plan_batch
+
+    runtime, runner = _runtime(0), Runner()
+    runtime.debug = True
+    step = runner.common([40, 9], [40, 9], 2, 49, max_seq_len=40, seed=4)
+    step.slot_mapping.fill_(-1)
+    with runtime.step(dummy=dummy):
+        if dummy:
+            plan_batch(runtime, step, 0, whole=False, lse_decode=True)
+        else:
+            with pytest.raises(CPKVInvariantError, match="slot mapping writes non-owned"):
+                plan_batch(runtime, step, 0, whole=False, lse_decode=True)

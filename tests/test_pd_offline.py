@@ -84,7 +84,7 @@ def test_pd_identical_to_single_instance(tiny_dsv2, tmp_path, transport):
          "--transport", transport, "--decode-tp", "1", "--dtype", "float32",
          "--backend", "CPU_MLA", "--block-size", "16",
          "--transfer-timeout", "120", "--blocks-expiry", "300",
-         "--waves", str(WAVES[transport]),
+         "--waves", str(WAVES[transport]), *(["--floor"] if transport == "nixl" else []),
          "--port", str(free_port(consecutive=2)), "--timeout", "400"],
         env={**os.environ, **CPU_ENV}, cwd=ROOT, capture_output=True, text=True,
         timeout=900)
@@ -101,6 +101,12 @@ def test_pd_identical_to_single_instance(tiny_dsv2, tmp_path, transport):
     assert [len(t) for t in decode["tokens"]] == [32] * 8
     # the tokens equal the single instance's, from the first one on
     assert res["prefill_first_token_same"] == [True] * 8, res
+    if transport == "nixl":  # --floor: the prefill's layout (TP=2) unsharded, no
+        # connector, next to the reference: its first differences per prompt
+        with open(os.path.join(work, "floor.json")) as f:
+            floor = json.load(f)
+        assert [len(t) for t in floor["tokens"]] == [32] * 8
+        assert len(res["floor_first_diff"]) == 8, res
     assert res["identical"] == res["prompts"] == 8, res
     # both caches end empty: every block freed, shared cached blocks included
     assert res["prefill_cache_empty_after_s"] is not None, res

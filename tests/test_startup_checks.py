@@ -73,10 +73,10 @@ def test_row_vllm_version(tiny_dsv2, monkeypatch):
 
     from vllm_cp_kv.integration.checks import check_vllm_version
 
-    for version in ("0.34.0", "0.33.1+cu130", "1.0.0"):
+    for version in ("0.33.1+cu130", "0.35.0", "1.0.0"):
         monkeypatch.setattr(vllm, "__version__", version)
         expect_row("vllm-version", tiny_dsv2)
-    for version in ("0.32.0", "0.32.0+cpu", "0.32.3rc1", "dev"):
+    for version in ("0.32.0", "0.32.0+cpu", "0.32.3rc1", "0.34.0", "0.34.1+cu130", "dev"):
         check_vllm_version(version)  # supported, or no version to judge
     # the override lets a release the registry spells start (the GPU matrix
     # tries it first); never one it does not know
@@ -411,13 +411,19 @@ def test_row_amx_q_replicate(tiny_dsv2, monkeypatch):
     config(tiny_dsv2, dcp_q_replicate=True, attention_config={"backend": "CPU_MLA"})
 
 
-def test_row_fp8_dense(tiny_dsv2, dsv32_model, monkeypatch):
-    for spelling in ("fp8", "fp8_e4m3", "fp8_e5m2"):
-        expect_row("fp8-dense", tiny_dsv2, kv_cache_dtype=spelling)
-    from vllm_cp_kv.integration.checks import check_kv_cache_dtype
+def test_row_fp8_pcp():
+    """FP8 on a dense model shards over TP (run on the H200, docs/fp8.md);
+    over PCP it is refused (checked before vLLM's own config, so called
+    directly: on CPU the PCP row of the GPU runner comes first)."""
+    from vllm_cp_kv.integration.checks import CPKVConfigError, check_kv_cache_dtype
 
-    check_kv_cache_dtype("fp8_ds_mla", sparse=True)  # DeepSeek-V3.2's: admitted
-    check_kv_cache_dtype("auto", sparse=False)
+    for spelling in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        check_kv_cache_dtype(spelling, sparse=False, pcp=1)  # TP: admitted
+        with pytest.raises(CPKVConfigError) as info:
+            check_kv_cache_dtype(spelling, sparse=False, pcp=2)
+        assert any(m in str(info.value) for m in DOC["fp8-pcp"])
+    check_kv_cache_dtype("fp8_ds_mla", sparse=True, pcp=2)  # DeepSeek-V3.2's: admitted
+    check_kv_cache_dtype("auto", sparse=False, pcp=2)
 
 
 def test_row_scratch_cap():

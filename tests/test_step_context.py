@@ -81,11 +81,11 @@ def test_a_pcp_step_reaches_the_statistics(pcp_manager, sample_inside_step):
 def test_a_step_inside_a_step_is_the_same_step_and_dummy_runs_are_not_counted():
     runtime = _runtime()
     with runtime.step() as outer:
-        with runtime.step(count=False) as inner:  # a dummy run inside a step
+        with runtime.step(dummy=True) as inner:  # a dummy run inside a step
             assert inner is outer
             _build(runtime)
     assert runtime.stats.prefill_steps == 1
-    with runtime.step(count=False):
+    with runtime.step(dummy=True):
         _build(runtime)
     assert runtime.stats.prefill_steps == 1
     # outside a step, builds share nothing

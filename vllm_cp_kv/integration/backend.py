@@ -222,6 +222,20 @@ class ShardedImpl:
             super().__init__(*args, **kwargs)
         vllm_api.impl_reports_unsharded(self)  # see the module docstring
         self.cp_kv_layer: str | None = None  # bound by the worker
+        # the heads of the shard-aware decode's kernel, as the builder's
+        parallel = config.parallel_config
+        self.cp_kv_decode_ranks = group_size_of(config) \
+            if parallel.prefill_context_parallel_size == 1 else 1
+
+    def reserve_workspace(self) -> None:
+        """vLLM's profile run (0.33+, item 27): TRITON_MLA's impl reserves its
+        split-KV workspace for ``num_heads * dcp_world_size`` heads so that
+        the KV cache is sized around it. The shard-aware decode runs that
+        kernel on the shard group's heads, which an impl reporting DCP off
+        would not count: the builder's reservation for them came after the
+        KV cache was sized."""
+        with vllm_api.impl_heads_of(self, self.cp_kv_decode_ranks):
+            super().reserve_workspace()
 
     def cp_kv_bind(self, layer_name: str) -> None:
         """The layer this impl serves (its full views are keyed by it)."""

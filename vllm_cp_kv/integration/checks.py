@@ -137,7 +137,7 @@ def check_engine_args(args, options: CPKVOptions) -> None:
     model_config = args.create_model_config()
     check_model(model_config)
     check_kv_cache_dtype(str(getattr(args, "kv_cache_dtype", None) or "auto"),
-                         bool(getattr(model_config.hf_text_config, "index_topk", None)))
+                         bool(getattr(model_config.hf_text_config, "index_topk", None)), pcp)
     if _on_gpu() and not args.enforce_eager and \
             getattr(model_config.hf_text_config, "index_topk", None):
         # vLLM would run it PIECEWISE (the sharded builders declare no
@@ -196,21 +196,25 @@ def derive_query_replication(args, pcp: int, options: CPKVOptions) -> None:
     args.dcp_q_replicate = True
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, sparse: bool) -> None:
+def check_kv_cache_dtype(kv_cache_dtype: str, sparse: bool, pcp: int = 1) -> None:
     """A dense MLA model with an FP8 KV cache (``--kv-cache-dtype fp8``,
-    ``fp8_e4m3``, ``fp8_e5m2``) has not been run with sharded KV yet (the
-    shard-aware decode's query gather, the chunked context's up-projection
-    of a quantized latent and the P/D bytes are unverified on it): refused
-    until a GPU run shows it right. Sparse models keep ``fp8_ds_mla``
-    (checked: docs/sparse.md). On CPU vLLM's MLA backends take only the
-    model dtype (``supported_kv_cache_dtypes = ["auto"]``), so vLLM refuses
-    FP8 there itself."""
-    if kv_cache_dtype.startswith("fp8") and kv_cache_dtype != "fp8_ds_mla" and not sparse:
+    ``fp8_e4m3``, ``fp8_e5m2``) shards over TP: run on the H200 in vLLM's
+    default mode with FLASHMLA and TRITON_MLA (vLLM itself refuses FP8 with
+    FLASH_ATTN_MLA), within the floor of two unsharded FP8 layouts
+    (docs/fp8.md). Under PCP it is refused: each rank's prefill reads this
+    step's tokens of every rank through the materialized view, so from the
+    FP8 cache, where vLLM's prefill attends to them unquantized, and on the
+    H200 its tokens parted from unsharded FP8 well before the floor. Sparse
+    models keep ``fp8_ds_mla`` (checked: docs/sparse.md). On CPU vLLM's MLA
+    backends take only the model dtype (``supported_kv_cache_dtypes =
+    ["auto"]``), so vLLM refuses FP8 there itself."""
+    if kv_cache_dtype.startswith("fp8") and kv_cache_dtype != "fp8_ds_mla" and not sparse \
+            and pcp > 1:
         raise CPKVConfigError(
             f"cp_kv: an FP8 KV cache (--kv-cache-dtype {kv_cache_dtype}) on a dense MLA "
-            "model has not been verified with sharded KV yet; use the model dtype "
-            "(--kv-cache-dtype auto) or disable cp_kv. (`vllm-cp-kv capacity "
-            "--kv-cache-dtype fp8` shows what it would hold.)")
+            "model with sharding over PCP is not supported: the PCP prefill would attend "
+            "to this step's tokens quantized (docs/fp8.md); shard over TP, use the model "
+            "dtype (--kv-cache-dtype auto), or disable cp_kv.")
 
 
 def check_scratch_cap(blocks: int, cap: int, one_request: int) -> None:

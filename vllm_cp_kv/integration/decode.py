@@ -228,6 +228,14 @@ def combine(runtime, out: torch.Tensor, lse: torch.Tensor, split_heads: bool
     return merge_by_lse(outs, lses)
 
 
+def _dequantized(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """An FP8 query or cache (vLLM's FP8 MLA kernels take both quantized,
+    each with a per-tensor scale) in float32; other dtypes as they are."""
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x.float() * scale
+    return x
+
+
 def check_against_full_view(impl, forward_mqa, q, out, attn_metadata, kv_cache,
                             layer) -> None:
     """Debug: once per step, the merged decode output of one layer against
@@ -245,8 +253,10 @@ def check_against_full_view(impl, forward_mqa, q, out, attn_metadata, kv_cache,
     plan = plan_materialization(runtime.spec, view.block_table, lens)
     full = runtime.materialize_for_check(plan, kv_cache)
     q_all = all_heads(runtime, view, q, impl.num_heads, count=False)
-    ref, _ = paged_attention_with_lse(q_all, full, plan.full_block_table, lens,
-                                      impl.scale, impl.kv_lora_rank)
+    q_scale, k_scale = vllm_api.fp8_scales(layer)
+    ref, _ = paged_attention_with_lse(_dequantized(q_all, q_scale), _dequantized(full, k_scale),
+                                      plan.full_block_table, lens, impl.scale,
+                                      impl.kv_lora_rank)
     if view.gather_heads:
         h = out.shape[1]
         ref = ref[:, runtime.spec.rank * h:(runtime.spec.rank + 1) * h]

@@ -175,7 +175,7 @@ def make_runner_cls():
         def _dummy_run(self, *args, **kwargs):
             if self.cp_kv_runtime is None:
                 return super()._dummy_run(*args, **kwargs)
-            with self.cp_kv_runtime.step(count=False):
+            with self.cp_kv_runtime.step(dummy=True):
                 return super()._dummy_run(*args, **kwargs)
 
     return CPKVModelRunner

@@ -119,17 +119,19 @@ class ShardRuntime:
             self._count_step(batch)
 
     @contextlib.contextmanager
-    def step(self, count: bool = True):
-        """A step as a block (the V2 runner's dummy runs, ``count=False``);
-        inside an open step it is that step."""
+    def step(self, dummy: bool = False):
+        """A step as a block (the V2 runner's dummy runs, ``dummy=True``: not
+        counted, and their padded inputs not checked); inside an open step it
+        is that step."""
         if self._batch is not None:
             yield self._batch
             return
         batch = self.begin_step()
+        batch.dummy = dummy
         try:
             yield batch
         finally:
-            self.end_step(count)
+            self.end_step(count=not dummy)
 
     def new_forward(self, replicated: bool = False) -> None:
         """A forward of the open step with a batch of its own (each forward

@@ -62,6 +62,10 @@ no.    target (vLLM 0.32)                                      how
        ``cp_lse_ag_out_rs`` / ``_ar``, ``max_decode_query_len``
 25     ``EngineCoreProc._process_engine_step``, its            rebinds, calls
        ``input_queue`` and ``_handle_client_request``
+26     an attention layer's ``_q_scale_float`` and             reads
+       ``_k_scale_float`` (FP8 caches: the debug reference)
+27     0.33+: ``TritonMLAImpl.reserve_workspace`` (profile     overrides
+       run), its ``num_heads * dcp_world_size``
 =====  ======================================================  ==============
 
 Why each rebinding is needed: ``plugin.py``'s docstring. Items 16-24 are
@@ -77,13 +81,13 @@ import importlib
 from dataclasses import dataclass
 
 # -- the vLLM releases this registry was checked against ----------------------
-# (major, minor): 0.32 on CPU (CI) and GPU (one H200). 0.33 and 0.34 (what
-# `pip install vllm` gives GPU users) resolve every item that applies to
-# them (`vllm-cp-kv compat`); 0.34 has run one layout on the H200
-# (benchmarks/results/h200x1-2026-12-03-vllm-0.34), not the matrix: both
-# refused at startup (checks.check_vllm_version) until they have, unless
-# VLLM_CP_KV_UNTESTED_VLLM=1 (how the GPU matrix runs them first).
-SUPPORTED_VLLM = ((0, 32),)
+# (major, minor): 0.32 on CPU (CI) and GPU (one H200); 0.34 (what `pip
+# install vllm` gives GPU users) on the H200: the matrix of issue 38
+# (benchmarks/results/h200x1-2026-12-04-vllm-0.34). 0.33 resolves every item
+# that applies to it (`vllm-cp-kv compat`) but has never run: refused at
+# startup (checks.check_vllm_version) unless VLLM_CP_KV_UNTESTED_VLLM=1 (how
+# the GPU matrix runs a release first).
+SUPPORTED_VLLM = ((0, 32), (0, 34))
 KNOWN_VLLM = ((0, 32), (0, 33), (0, 34))  # the releases the registry names per item
 
 
@@ -356,6 +360,11 @@ REGISTRY = (
               assigns_in=(("vllm.v1.engine.core:EngineCoreProc.__init__", ("input_queue",)),
                           ("vllm.v1.core.sched.scheduler:Scheduler.__init__",
                            ("connector",)))),
+    Rebinding(26, ("vllm.model_executor.layers.attention.attention:set_default_quant_scales",),
+              assigns=("_q_scale_float", "_k_scale_float")),
+    Rebinding(27, ("vllm.v1.attention.backends.mla.triton_mla:TritonMLAImpl.reserve_workspace",),
+              releases=((0, 33), (0, 34)), build="gpu",
+              why="0.32 profiles no decode workspace (the builder reserves it)"),
 )
 
 
@@ -437,6 +446,17 @@ def impl_reports_unsharded(impl) -> None:
 
 
 @contextlib.contextmanager
+def impl_heads_of(impl, ranks: int):
+    """Item 27: within the block, the impl counts the heads of ``ranks``
+    ranks (``num_heads * dcp_world_size``, its workspace reservation)."""
+    saved, impl.dcp_world_size = impl.dcp_world_size, ranks
+    try:
+        yield
+    finally:
+        impl.dcp_world_size = saved
+
+
+@contextlib.contextmanager
 def impl_returns_decode_lse(impl):
     """Item 12: within the block, the impl's decode kernel returns its LSE."""
     impl.need_to_return_lse_for_decode = True
@@ -493,6 +513,12 @@ def reserve_decode_workspace(builder, backend_name: str, vllm_config=None) -> No
 
         values.append(get_kv_cache_spec_sliding_window(builder.kv_cache_spec))
     triton_mla._reserve_attn_logits_workspace(**dict(zip(RESERVE_WORKSPACE, values)))
+
+
+def fp8_scales(layer) -> tuple[float, float]:
+    """Item 26: the per-tensor scales of an FP8 query and KV cache (host
+    floats; 1.0 unless the checkpoint has calibrated ones)."""
+    return float(layer._q_scale_float), float(layer._k_scale_float)
 
 
 def vllm_gathers_moe_padding() -> bool:

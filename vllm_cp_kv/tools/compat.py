@@ -105,12 +105,13 @@ def _params(target: str, obj, params) -> list[str]:
 
 
 def _assigns(target: str, obj, fields) -> list[str]:
-    """Fields ``obj``'s source no longer assigns as ``self.<name> =``."""
+    """Fields ``obj``'s source no longer assigns as ``self.<name> =`` (or
+    ``layer.<name> =``: a function that sets a layer's fields)."""
     if not fields:
         return []
     source = inspect.getsource(_function(obj))
     missing = [a for a in fields
-               if not re.search(rf"self\.{a}\b[^=\n]*(?<![=!<>])=(?!=)", source)]
+               if not re.search(rf"(?:self|layer)\.{a}\b[^=\n]*(?<![=!<>])=(?!=)", source)]
     return [f"{target}: no longer assigns {missing}"] if missing else []
 
 

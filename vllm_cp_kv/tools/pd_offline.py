@@ -7,6 +7,7 @@ Usage: python -m vllm_cp_kv.tools.pd_offline MODEL WORKDIR [--transport nixl|moo
            [--transfer-timeout S] [--cpu-rope-kernel] [--waves 2 [--wave2 suffix|same]]
        GPU:   ... --device cuda [--prefill-pcp 2] [--gpu-mem F] [--decode-gpu-mem F]
            [--num-prompts N] [--prompt-repeat R] [--max-model-len L] [--strict]
+           [--floor]
 
 Three processes, as vLLM's own P/D examples do without HTTP: the prefill
 instance (sharded with cp_kv, ``kv_producer``) runs every prompt with
@@ -56,6 +57,13 @@ vllm_cp_kv.tools.tiny_model DIR --gpu-heads``). The decode's own prefix
 caching is off (``--decode-prefix-caching`` turns it on; the decode then
 reads only the blocks its cache lacks, and "received" counts those). With
 ``--strict`` the run exits 1 unless every check holds.
+
+``--floor``: a fourth instance, unsharded, with the prefill's layout and no
+connector, next to the reference: how far two unsharded layouts (the
+prefill's and the decode's) part on these prompts (``floor_first_diff``),
+the floor the P/D tokens are held to where near-ties flip (bf16 and more so
+FP8, whose rounding turns the layouts' last-bit differences into whole
+quantization steps).
 """
 
 from __future__ import annotations
@@ -78,18 +86,19 @@ WAVE_MARK = "cp_kv pd_offline: decode wave"  # the decode log's wave boundary
 
 
 def _llm(a, role: str):
-    """``role``: reference, prefill or decode."""
+    """``role``: reference, floor (the prefill's layout, unsharded), prefill
+    or decode."""
     gpu = a.device == "cuda"
-    kw = dict(tp=a.prefill_tp if role == "prefill" else a.decode_tp, dtype=a.dtype,
+    kw = dict(tp=a.prefill_tp if role in ("prefill", "floor") else a.decode_tp, dtype=a.dtype,
               backend=a.backend, block_size=a.block_size, max_model_len=a.max_model_len,
               max_num_seqs=a.max_num_seqs,
               # vLLM's counters (prefix-cache hits, the connector's transfer
               # figures; with speculation also the reference's drafts)
-              disable_log_stats=role == "reference" and not a.spec)
+              disable_log_stats=role in ("reference", "floor") and not a.spec)
     if gpu:
         kw.update(gpu_mem=a.gpu_mem if role == "prefill" else a.decode_gpu_mem,
                   kv_bytes=a.kv_bytes)  # per rank; skips memory profiling
-        if role == "prefill" and a.prefill_pcp > 1:
+        if role in ("prefill", "floor") and a.prefill_pcp > 1:
             kw.update(tp=1, pcp=a.prefill_pcp)
         if role == "decode" and not a.decode_prefix_caching:
             kw["enable_prefix_caching"] = False
@@ -108,7 +117,7 @@ def _llm(a, role: str):
         kw["speculative_config"] = json.loads(a.spec)
     if a.kv_cache_dtype:  # every side (an FP8 decode reads the prefill's FP8 bytes)
         kw["kv_cache_dtype"] = a.kv_cache_dtype
-    if role != "reference":
+    if role not in ("reference", "floor"):
         kw["kv_role"] = "kv_producer" if role == "prefill" else "kv_consumer"
         kw["kv_extra"] = {"transport": a.transport, "side_channel_port": a.port,
                           "blocks_expiry_s": a.blocks_expiry,
@@ -202,8 +211,8 @@ def _capacity(llm) -> int:
             * cfg.parallel_config.decode_context_parallel_size)
 
 
-def role_reference(a):
-    llm = _llm(a, "reference")
+def role_reference(a, role="reference"):
+    llm = _llm(a, role)
     waves = [_result(llm.generate(w, _sampling(a))) for w in _waves(a, llm)]
     return {**waves[0], "waves": waves,
             "spec_decode": spec_decode_counters(llm) if a.spec else None}
@@ -294,10 +303,10 @@ def _spawn(a, role: str):
             argv += [flag, str(value)]
     if a.device == "cuda" and "CUDA_VISIBLE_DEVICES" not in os.environ:
         env = {"CUDA_VISIBLE_DEVICES": ",".join(
-            str(i) for i in range(a.prefill_pcp * a.prefill_tp if role == "prefill"
+            str(i) for i in range(a.prefill_pcp * a.prefill_tp if role in ("prefill", "floor")
                                   else a.decode_tp))}
     else:
-        tp = a.prefill_tp if role == "prefill" else a.decode_tp  # the reference: the decode's
+        tp = a.prefill_tp if role in ("prefill", "floor") else a.decode_tp  # the reference: the decode's
         if tp > 2:  # more ranks than cores: one thread each, unbound
             env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
         else:
@@ -407,6 +416,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--spec", default=None,
                     help='speculative_config of every instance, e.g. \'{"method": "mtp", '
                          '"num_speculative_tokens": 2}\' (a model with an MTP layer)')
+    ap.add_argument("--floor", action="store_true",
+                    help="also run the prefill's layout unsharded, without a connector: "
+                         "the floor of two unsharded layouts on these prompts")
     ap.add_argument("--strict", action="store_true",
                     help="exit 1 unless every check holds (see pd_result.json 'checks')")
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
@@ -444,6 +456,7 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     if a.role:
         res = {"reference": role_reference, "prefill": role_prefill,
+               "floor": lambda a: role_reference(a, "floor"),
                "decode": role_decode}[a.role](a)
         with open(os.path.join(a.workdir, f"{a.role}.json"), "w") as f:
             json.dump(res, f)
@@ -470,12 +483,18 @@ def run_all(a) -> dict:
     order; their results summarized into ``workdir/pd_result.json``."""
     os.makedirs(a.workdir, exist_ok=True)
     for name in os.listdir(a.workdir):
-        if name.startswith(("params", "decode", "prefill", "reference", "pd_result", "wave")):
+        if name.startswith(("params", "decode", "prefill", "reference", "floor", "pd_result",
+                            "wave")):
             os.remove(os.path.join(a.workdir, name))
     t0 = time.time()
     procs = [_spawn(a, "reference")]
+    # the floor next to the reference (a GPU run's ranks fix their KV bytes,
+    # so neither profiles the other's memory)
+    floor = _spawn(a, "floor") if a.floor else None
     try:
         procs[0].wait(timeout=a.timeout)
+        if floor is not None:
+            floor.wait(timeout=a.timeout)
         procs.append(_spawn(a, "prefill"))
         if a.device == "cuda":  # GPU 0 is shared: let the prefill size its cache first
             _wait_for(os.path.join(a.workdir, "params0.json"), procs[1], a.timeout)
@@ -484,7 +503,7 @@ def run_all(a) -> dict:
         rc_d = decode.wait(timeout=a.timeout)
         rc_p = prefill.wait(timeout=a.blocks_expiry + 180)
     finally:  # a timeout or a dead peer must not leave engines behind
-        for proc in procs:
+        for proc in procs + [floor] * (floor is not None):
             _kill(proc)
     out = {**_facts(a), "rc": [ref.returncode, rc_p, rc_d],
            "wall_s": round(time.time() - t0, 1)}
@@ -502,6 +521,13 @@ def _facts(a) -> dict:
             "max_num_seqs": a.max_num_seqs, "max_tokens": a.max_tokens,
             "cpu_rope_kernel": a.cpu_rope_kernel,
             "spec": json.loads(a.spec) if a.spec else None}
+
+
+def _first_diffs(a_tokens, b_tokens) -> list[int | None]:
+    """Per prompt: the first position where the two differ (None: identical)."""
+    return [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y),
+                 None if len(s) == len(t) else min(len(s), len(t)))
+            for s, t in zip(a_tokens, b_tokens)]
 
 
 def _summarize(a) -> dict:
@@ -531,9 +557,7 @@ def _summarize(a) -> dict:
             "prefill_prefix_cache_hits": pw["prefix_cache_hits"],
             "prefill_prefix_cache_queries": pw["prefix_cache_queries"],
             "prefill_num_cached_tokens": pw["num_cached_tokens"],
-            "first_diff": [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y),
-                                None if len(s) == len(t) else min(len(s), len(t)))
-                           for s, t in zip(rw["tokens"], dw["tokens"])]}
+            "first_diff": _first_diffs(rw["tokens"], dw["tokens"])}
         if a.decode_shard:  # each rank exactly the blocks it owns, of every prompt
             want = sorted((rank, _owned_blocks(n, bs, a.decode_tp, rank))
                           for n in rw["prompt_lens"] for rank in range(a.decode_tp))
@@ -579,6 +603,9 @@ def _summarize(a) -> dict:
         key = "spec_decode_num_accepted_tokens"
         out["checks"]["spec_decode_accepted_equal"] = \
             r["spec_decode"][key] == d["spec_decode"][key]
+    if a.floor and os.path.exists(os.path.join(a.workdir, "floor.json")):
+        f = load("floor")
+        out["floor_first_diff"] = _first_diffs(r["tokens"], f["tokens"])
     if a.waves > 1:
         out["checks"]["prefill_prefix_cache_hit_in_later_waves"] = all(
             w["prefill_prefix_cache_hits"] > 0 for w in waves[1:])
