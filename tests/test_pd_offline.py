@@ -105,8 +105,14 @@ def test_pd_identical_to_single_instance(tiny_dsv2, tmp_path, transport):
         # connector, next to the reference: its first differences per prompt
         with open(os.path.join(work, "floor.json")) as f:
             floor = json.load(f)
+        with open(os.path.join(work, "reference.json")) as f:
+            ref = json.load(f)
         assert [len(t) for t in floor["tokens"]] == [32] * 8
-        assert len(res["floor_first_diff"]) == 8, res
+        assert res["floor_rc"] == 0, res
+        # the summary's first differences, against a count of our own
+        want = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                for a, b in zip(ref["tokens"], floor["tokens"])]
+        assert res["floor_first_diff"] == want, res
     assert res["identical"] == res["prompts"] == 8, res
     # both caches end empty: every block freed, shared cached blocks included
     assert res["prefill_cache_empty_after_s"] is not None, res

@@ -417,13 +417,19 @@ def test_row_fp8_pcp():
     directly: on CPU the PCP row of the GPU runner comes first)."""
     from vllm_cp_kv.integration.checks import CPKVConfigError, check_kv_cache_dtype
 
+    new = (0, 34)
     for spelling in ("fp8", "fp8_e4m3", "fp8_e5m2"):
-        check_kv_cache_dtype(spelling, sparse=False, pcp=1)  # TP: admitted
+        check_kv_cache_dtype(spelling, sparse=False, pcp=1, release=new)  # TP: admitted
         with pytest.raises(CPKVConfigError) as info:
-            check_kv_cache_dtype(spelling, sparse=False, pcp=2)
+            check_kv_cache_dtype(spelling, sparse=False, pcp=2, release=new)
         assert any(m in str(info.value) for m in DOC["fp8-pcp"])
-    check_kv_cache_dtype("fp8_ds_mla", sparse=True, pcp=2)  # DeepSeek-V3.2's: admitted
-    check_kv_cache_dtype("auto", sparse=False, pcp=2)
+        # run on 0.34 only: 0.32 (this CPU build's, read when not given) refused
+        for release in ((0, 32), None):
+            with pytest.raises(CPKVConfigError) as info:
+                check_kv_cache_dtype(spelling, sparse=False, pcp=1, release=release)
+            assert any(m in str(info.value) for m in DOC["fp8-pcp"])
+    check_kv_cache_dtype("fp8_ds_mla", sparse=True, pcp=2, release=(0, 32))  # V3.2's
+    check_kv_cache_dtype("auto", sparse=False, pcp=2, release=(0, 32))
 
 
 def test_row_scratch_cap():

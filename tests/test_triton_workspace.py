@@ -33,3 +33,24 @@ def test_the_sharded_impl_reserves_for_the_shard_groups_heads():
     plain.dcp_world_size = 1
     plain.reserve_workspace()
     assert plain.reserved_heads == 8
+
+
+def _config(tp=4, pcp=1, decode="lse"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        additional_config={"cp_kv": {"enable": True, "decode": decode}},
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp,
+                                        prefill_context_parallel_size=pcp))
+
+
+def test_the_decode_kernel_runs_on_the_groups_heads_only_with_the_shard_aware_decode():
+    """Builder and impl take the count from one rule: the TP group's heads
+    with the shard-aware decode; this rank's own with a full view
+    (``decode: "materialize"``, sparse models) or under PCP."""
+    from vllm_cp_kv.integration.backend import decode_kernel_ranks
+
+    assert decode_kernel_ranks(_config(), sparse=False) == 4
+    assert decode_kernel_ranks(_config(decode="materialize"), sparse=False) == 1
+    assert decode_kernel_ranks(_config(), sparse=True) == 1
+    assert decode_kernel_ranks(_config(tp=1, pcp=2), sparse=False) == 1

@@ -69,6 +69,16 @@ def lse_decode_enabled(vllm_config, sparse: bool) -> bool:
     return not sparse and options_of(vllm_config).decode == "lse"
 
 
+def decode_kernel_ranks(vllm_config, sparse: bool) -> int:
+    """The ranks whose query heads the decode kernel runs on: a TP shard
+    group's, all N (each rank's layer holds H / N heads, the shard-aware
+    decode gathers them); else this rank's own (a full view; PCP)."""
+    if not lse_decode_enabled(vllm_config, sparse) or \
+            vllm_config.parallel_config.prefill_context_parallel_size > 1:
+        return 1
+    return group_size_of(vllm_config)
+
+
 def chunked_context_enabled(vllm_config, backend_name: str, sparse: bool) -> bool:
     """Prefill rows may read their cached context in scratch-sized chunks:
     dense MLA with the shard-aware decode (decode rows read no view), a
@@ -96,11 +106,7 @@ class ShardedBuilder:
         if self.cp_kv_lse_decode:  # read by the model runner after this
             self.reorder_batch_threshold = decode.decode_threshold(
                 vllm_config, self.reorder_batch_threshold)
-        # TP shard group: each rank's layer holds H / N query heads, and the
-        # shard-aware decode runs the kernel on all H (gathered)
-        parallel = vllm_config.parallel_config
-        self.cp_kv_decode_ranks = group_size_of(vllm_config) \
-            if parallel.prefill_context_parallel_size == 1 else 1
+        self.cp_kv_decode_ranks = decode_kernel_ranks(vllm_config, self.cp_kv_sparse)
         if self.cp_kv_lse_decode:  # TRITON_MLA: its split-KV workspace for all heads
             with vllm_api.builder_heads_of(self, self.cp_kv_decode_ranks):
                 vllm_api.reserve_decode_workspace(self, name, vllm_config)
@@ -222,10 +228,7 @@ class ShardedImpl:
             super().__init__(*args, **kwargs)
         vllm_api.impl_reports_unsharded(self)  # see the module docstring
         self.cp_kv_layer: str | None = None  # bound by the worker
-        # the heads of the shard-aware decode's kernel, as the builder's
-        parallel = config.parallel_config
-        self.cp_kv_decode_ranks = group_size_of(config) \
-            if parallel.prefill_context_parallel_size == 1 else 1
+        self.cp_kv_decode_ranks = decode_kernel_ranks(config, self.is_sparse)  # the builder's
 
     def reserve_workspace(self) -> None:
         """vLLM's profile run (0.33+, item 27): TRITON_MLA's impl reserves its

@@ -196,7 +196,8 @@ def derive_query_replication(args, pcp: int, options: CPKVOptions) -> None:
     args.dcp_q_replicate = True
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, sparse: bool, pcp: int = 1) -> None:
+def check_kv_cache_dtype(kv_cache_dtype: str, sparse: bool, pcp: int = 1,
+                         release: tuple[int, int] | None = None) -> None:
     """A dense MLA model with an FP8 KV cache (``--kv-cache-dtype fp8``,
     ``fp8_e4m3``, ``fp8_e5m2``) shards over TP: run on the H200 in vLLM's
     default mode with FLASHMLA and TRITON_MLA (vLLM itself refuses FP8 with
@@ -207,9 +208,21 @@ def check_kv_cache_dtype(kv_cache_dtype: str, sparse: bool, pcp: int = 1) -> Non
     H200 its tokens parted from unsharded FP8 well before the floor. Sparse
     models keep ``fp8_ds_mla`` (checked: docs/sparse.md). On CPU vLLM's MLA
     backends take only the model dtype (``supported_kv_cache_dtypes =
-    ["auto"]``), so vLLM refuses FP8 there itself."""
-    if kv_cache_dtype.startswith("fp8") and kv_cache_dtype != "fp8_ds_mla" and not sparse \
-            and pcp > 1:
+    ["auto"]``), so vLLM refuses FP8 there itself. It ran on vLLM 0.34 only
+    (``release``: the installed one's), so older releases are refused."""
+    if not kv_cache_dtype.startswith("fp8") or kv_cache_dtype == "fp8_ds_mla" or sparse:
+        return
+    if release is None:
+        from .vllm_api import installed
+
+        release = installed()[0]
+    if release is not None and release < (0, 34):
+        raise CPKVConfigError(
+            f"cp_kv: an FP8 KV cache (--kv-cache-dtype {kv_cache_dtype}) on a dense MLA "
+            f"model with sharded KV has run on vLLM 0.34 only (this is {release[0]}."
+            f"{release[1]}); install vLLM 0.34, use the model dtype (--kv-cache-dtype "
+            "auto), or disable cp_kv.")
+    if pcp > 1:
         raise CPKVConfigError(
             f"cp_kv: an FP8 KV cache (--kv-cache-dtype {kv_cache_dtype}) on a dense MLA "
             "model with sharding over PCP is not supported: the PCP prefill would attend "

@@ -488,11 +488,14 @@ def run_all(a) -> dict:
             os.remove(os.path.join(a.workdir, name))
     t0 = time.time()
     procs = [_spawn(a, "reference")]
-    # the floor next to the reference (a GPU run's ranks fix their KV bytes,
-    # so neither profiles the other's memory)
-    floor = _spawn(a, "floor") if a.floor else None
+    # the floor next to the reference where the ranks fix their KV bytes
+    # (neither profiles the other's memory), else after it
+    together = a.device == "cpu" or a.kv_bytes is not None
+    floor = _spawn(a, "floor") if a.floor and together else None
     try:
         procs[0].wait(timeout=a.timeout)
+        if a.floor and floor is None:
+            floor = _spawn(a, "floor")
         if floor is not None:
             floor.wait(timeout=a.timeout)
         procs.append(_spawn(a, "prefill"))
@@ -507,6 +510,8 @@ def run_all(a) -> dict:
             _kill(proc)
     out = {**_facts(a), "rc": [ref.returncode, rc_p, rc_d],
            "wall_s": round(time.time() - t0, 1)}
+    if floor is not None:
+        out["floor_rc"] = floor.returncode
     if out["rc"] == [0, 0, 0]:
         out.update(_summarize(a))
     with open(os.path.join(a.workdir, "pd_result.json"), "w") as f:

@@ -298,7 +298,7 @@ def patch_pd_consumer(m) -> None:
 
 
 def patch_allow_fp8(m) -> None:
-    m.check_kv_cache_dtype = lambda kv_cache_dtype, sparse, pcp=1: None
+    m.check_kv_cache_dtype = lambda kv_cache_dtype, sparse, pcp=1, release=None: None
 
 
 def _table() -> dict:
