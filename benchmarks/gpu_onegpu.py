@@ -496,35 +496,33 @@ def fp8_check(out, results) -> None:
     same backend, within the floor of two unsharded FP8 layouts (TP=2 vs
     TP=1: FP8 flips near-ties against bf16, so FP8 is compared with FP8)."""
     for k, b in BACKENDS.items():
-        floor = agree(results, f"tp2-{k}-fp8-plain", f"tp1-{k}-fp8-plain")
-        c = pair(out, f"tp2-{b}-fp8", results, f"tp2-{k}-fp8-shard", f"tp2-{k}-fp8-plain",
-                 2, 1.95)
-        if not c:
-            continue
-        c["floor_fp8_tp2_vs_tp1"] = floor
-        c["within_noise_floor"] = within_floor(c["agreement"], floor)
-        c["ok"] = c["capacity_ratio"] >= 1.95 and c["within_noise_floor"] and \
-            c.get("owned_writes_ok", True)
-        d = pair(out, f"tp2-{b}-fp8-eager-debug", results, f"tp2-{k}-fp8-debug",
-                 f"tp2-{k}-fp8-plain", 2, 1.95)
-        if d:  # the debug switch's verdict: invariants held, capacity, owned writes
-            d["ok"] = d["ok_capacity_writes_debug"]
+        fp8_pair(out, f"tp2-{b}-fp8", results, f"tp2-{k}-fp8", f"tp2-{k}-fp8-plain",
+                 agree(results, f"tp2-{k}-fp8-plain", f"tp1-{k}-fp8-plain"))
     # PCP=2: vLLM 0.34's own PCP=2 with FP8 (pcp2-dense-fp8-plain) lost a
     # worker at its warmup on the H200, so the sharded run is held against
-    # TP=1 unsharded FP8, within the floor of TP=2 against TP=1 (unsharded)
+    # TP=1 unsharded FP8 (either holds one copy in a rank's KV memory), within
+    # the floor of TP=2 against TP=1 (unsharded)
     base = "pcp2-dense-fp8-plain" if _ok(results, "pcp2-dense-fp8-plain") \
         else "tp1-dense-fp8-plain"
-    floor = agree(results, "tp2-dense-fp8-plain", "tp1-dense-fp8-plain")
-    c = pair(out, "pcp2-dense-fp8", results, "pcp2-dense-fp8-shard", base, 2, 1.95)
+    c = fp8_pair(out, "pcp2-dense-fp8", results, "pcp2-dense-fp8", base,
+                 agree(results, "tp2-dense-fp8-plain", "tp1-dense-fp8-plain"))
     if c:
-        c["base"] = base  # either holds one copy in a rank's KV memory
+        c["base"] = base
+
+
+def fp8_pair(out, key, results, run, base, floor) -> dict | None:
+    """``run``-shard against ``base`` within ``floor``, and ``run``-debug's
+    verdict (invariants held, capacity, owned writes)."""
+    c = pair(out, key, results, f"{run}-shard", base, 2, 1.95)
+    if c:
         c["floor_fp8_tp2_vs_tp1"] = floor
         c["within_noise_floor"] = within_floor(c["agreement"], floor)
         c["ok"] = c["capacity_ratio"] >= 1.95 and c["within_noise_floor"] and \
             c.get("owned_writes_ok", True)
-    c = pair(out, "pcp2-dense-fp8-eager-debug", results, "pcp2-dense-fp8-debug", base, 2, 1.95)
-    if c:  # the debug switch's verdict: invariants held, capacity, owned writes
-        c["ok"] = c["ok_capacity_writes_debug"]
+    d = pair(out, f"{key}-eager-debug", results, f"{run}-debug", base, 2, 1.95)
+    if d:
+        d["ok"] = d["ok_capacity_writes_debug"]
+    return c
 
 
 def prefix_check(out, results) -> None:

@@ -108,7 +108,7 @@ class ShardedBuilder:
                 vllm_config, self.reorder_batch_threshold)
         self.cp_kv_decode_ranks = decode_kernel_ranks(vllm_config, self.cp_kv_sparse)
         if self.cp_kv_lse_decode:  # TRITON_MLA: its split-KV workspace for all heads
-            with vllm_api.builder_heads_of(self, self.cp_kv_decode_ranks):
+            with vllm_api.heads_of(self, self.cp_kv_decode_ranks):
                 vllm_api.reserve_decode_workspace(self, name, vllm_config)
         # debug: vLLM's own decode kernel on the full view, for comparison
         self.cp_kv_kernel_check = debug_enabled() and name in KERNEL_CHECK_BACKENDS
@@ -237,7 +237,7 @@ class ShardedImpl:
         kernel on the shard group's heads, which an impl reporting DCP off
         would not count: the builder's reservation for them came after the
         KV cache was sized."""
-        with vllm_api.impl_heads_of(self, self.cp_kv_decode_ranks):
+        with vllm_api.heads_of(self, self.cp_kv_decode_ranks):
             super().reserve_workspace()
 
     def cp_kv_bind(self, layer_name: str) -> None:

@@ -64,7 +64,7 @@ def build_local(builder, view: DecodeView, heads_of_ranks: int):
     (all H under TP, where the queries are gathered). What the captured
     kernels read is the view's persistent storage and the builder's own
     persistent buffers (its scheduler metadata)."""
-    with vllm_api.builder_heads_of(builder, heads_of_ranks):
+    with vllm_api.heads_of(builder, heads_of_ranks):
         return _one_query_rows(builder, view, view.block_table, view.local_lens,
                                view.max_local_len)
 

@@ -72,7 +72,7 @@ Why each is needed:
 13. vLLM's MLA builders size decode metadata and workspaces for
     ``num_heads * dcp_world_size`` query heads; the sharded builder (made
     with DCP off) sizes them for the gathered heads of the TP shard group
-    within ``vllm_api.builder_heads_of``.
+    within ``vllm_api.heads_of``.
 14. Speculative decoding (MTP): vLLM's drafter runs its forwards in the
     step's ``sample_tokens``, each with a batch of its own, so each starts a
     new forward of the step (the plans of the last do not apply); and for

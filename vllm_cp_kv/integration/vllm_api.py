@@ -446,17 +446,6 @@ def impl_reports_unsharded(impl) -> None:
 
 
 @contextlib.contextmanager
-def impl_heads_of(impl, ranks: int):
-    """Item 27: within the block, the impl counts the heads of ``ranks``
-    ranks (``num_heads * dcp_world_size``, its workspace reservation)."""
-    saved, impl.dcp_world_size = impl.dcp_world_size, ranks
-    try:
-        yield
-    finally:
-        impl.dcp_world_size = saved
-
-
-@contextlib.contextmanager
 def impl_returns_decode_lse(impl):
     """Item 12: within the block, the impl's decode kernel returns its LSE."""
     impl.need_to_return_lse_for_decode = True
@@ -467,15 +456,16 @@ def impl_returns_decode_lse(impl):
 
 
 @contextlib.contextmanager
-def builder_heads_of(builder, ranks: int):
-    """Item 13: within the block, vLLM's builder sizes decode metadata and
-    workspaces for the heads of ``ranks`` ranks (``num_heads *
-    dcp_world_size``; the sharded builder initialized with DCP off)."""
-    saved, builder.dcp_world_size = builder.dcp_world_size, ranks
+def heads_of(owner, ranks: int):
+    """Items 13 and 27: within the block, vLLM's MLA builder or impl counts
+    the heads of ``ranks`` ranks (``num_heads * dcp_world_size``: the
+    builder's decode metadata and workspaces, the impl's profile-run
+    workspace reservation; both made with DCP off)."""
+    saved, owner.dcp_world_size = owner.dcp_world_size, ranks
     try:
         yield
     finally:
-        builder.dcp_world_size = saved
+        owner.dcp_world_size = saved
 
 
 
@@ -493,7 +483,7 @@ def build_decode(builder, *, block_table, seq_lens, max_seq_len: int, query_star
 def reserve_decode_workspace(builder, backend_name: str, vllm_config=None) -> None:
     """TRITON_MLA sizes its split-KV workspace for the builder's heads when
     it initializes; the shard-aware decode runs its kernel on the gathered
-    heads, so it reserves again inside :func:`builder_heads_of` (item 18:
+    heads, so it reserves again inside :func:`heads_of` (item 18:
     the builder's method on 0.32; from 0.33 a module function given the
     head count, called here as the builder calls it). Other backends keep no
     such workspace."""
