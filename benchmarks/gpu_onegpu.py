@@ -150,8 +150,37 @@ def runs() -> dict:
     r["pcp2-dense-fp8-plain"] = ("dense", pcp2 + GEN + GRAPHS + fp8 + ["--no-plugin"], True, {})
     r["pcp2-dense-fp8-shard"] = ("dense", pcp2 + GEN + GRAPHS + fp8 + SHARD, True, allow)
     r["pcp2-dense-fp8-debug"] = ("dense", pcp2 + GEN + fp8 + SHARD, True, {**allow, **DEBUG})
+    # the same on TRITON_MLA, where vLLM's own PCP=2 runs with FP8 (on
+    # FLASHMLA it dies in get_mla_metadata_dense_fp8, a floating-point
+    # exception, eager and in graphs, with or without the plugin's layout)
+    tr = ["--backend", "TRITON_MLA"] + fp8
+    for x, lay in (("tp1", ["--tp", "1"]), ("tp2", ["--tp", "2"]), ("pcp2", pcp2)):
+        r[f"{x}-dTR-fp8-plain"] = ("dense", lay + GEN + GRAPHS + tr + ["--no-plugin"],
+                                   x != "tp1", {})
+    r["pcp2-dTR-fp8-shard"] = ("dense", pcp2 + GEN + GRAPHS + tr + SHARD, True, allow)
+    r["pcp2-dTR-fp8-debug"] = ("dense", pcp2 + GEN + tr + SHARD, True, {**allow, **DEBUG})
+    # issue 40's baseline: vLLM's own PCP=2 x TP=2 (4 ranks on the GPU),
+    # dense in graphs and eager, sparse eager (vLLM's DCP over TP x PCP)
+    pcp2tp2 = ["--tp", "2", "--pcp", "2"]
+    r["pcp2tp2-dense-plain"] = ("dense8", pcp2tp2 + GEN + GRAPHS + ["--no-plugin"], True, {})
+    r["pcp2tp2-dense-plain-eager"] = ("dense8", pcp2tp2 + GEN + ["--no-plugin"], True, {})
+    r["pcp2tp2-fms-plain-eager"] = ("dsv32", pcp2tp2 + SPARSE["fms"] + SPARSE_GEN + [
+        "--no-plugin"], True, {})
+    # vLLM's own PCP=2 with FP8 eager (its graphs run lost a worker at
+    # warmup: that run again with Python's fault handler on), the plugin's
+    # replicated layout (kv_sharding false) in graphs, the sharded run eager
+    fault = {"PYTHONFAULTHANDLER": "1"}
+    r["pcp2-dense-fp8-plain-eager"] = ("dense", pcp2 + GEN + fp8 + ["--no-plugin"], True, fault)
+    r["pcp2-dense-fp8-base"] = ("dense", pcp2 + GEN + GRAPHS + fp8 + [
+        "--cp-kv", '{"kv_sharding": false}'], True, fault)
+    r["pcp2-dense-fp8-shard-eager"] = ("dense", pcp2 + GEN + fp8 + SHARD, True, allow)
     r["pd-tp2-nixl-fp8"] = ("pd", ["--prefill-tp", "2", "--prefill-pcp", "1", "--cuda-graphs",
                                    "--floor", *fp8], True, {"CPKV_TEST_ALLOW_FP8": "1"})
+    # the same P/D with an unsharded prefill (the plugin's connector, cp_kv
+    # off): separates the sharding's part from the P/D path's with FP8
+    r["pd-tp2-nixl-fp8-unsharded"] = ("pd", ["--prefill-tp", "2", "--prefill-pcp", "1",
+                                             "--cuda-graphs", "--floor", "--prefill-plain",
+                                             *fp8], True, {})
     r["pd-tp2-nixl"] = ("pd", ["--prefill-tp", "2", "--prefill-pcp", "1", "--cuda-graphs"],
                         True, {})
     # every sharded prefill layout into a TP=1 decode and a PCP=2 prefill
@@ -208,6 +237,22 @@ GROUPS["fp8-pcp"] = [f"{x}-dense-fp8-{v}" for x, v in (
 # floor of PCP FP8, P/D FP8 with its floor measured in the run
 GROUPS["fp8-again"] = ["tp2-FM-fp8-debug", "tp2-TR-fp8-debug", "pcp2-dense-fp8-debug",
                        "tp2-dense-fp8-plain", "pcp2-dense-fp8-plain", "pd-tp2-nixl-fp8"]
+# 2026-12-05, 0.34: PCP=2 FP8 against unsharded PCP=2 FP8 (vLLM's own,
+# eager and in graphs with the fault handler; the plugin's replicated
+# layout), the floors, P/D FP8 with an unsharded prefill, the sparse PCP pair
+# with the re-poisoning harness
+GROUPS["fp8-pcp-ref"] = [
+    "pcp2-dense-fp8-plain", "pcp2-dense-fp8-plain-eager", "pcp2-dense-fp8-base",
+    "pcp2-dense-fp8-shard", "pcp2-dense-fp8-shard-eager", "tp1-dense-fp8-plain",
+    "tp2-dense-fp8-plain", "pd-tp2-nixl-fp8-unsharded", "pd-tp2-nixl-fp8",
+    "pcp2-fms-plain-eager", "pcp2-fms-shard-eager"]
+# the second lease of 2026-12-05: PCP=2 FP8 on TRITON_MLA against vLLM's
+# own, its floors; P/D FP8 from an unsharded TP=2 prefill after its replica
+# rank's fix
+GROUPS["fp8-pcp-tr"] = [f"{x}-dTR-fp8-plain" for x in ("tp1", "tp2", "pcp2")] + [
+    "pcp2-dTR-fp8-shard", "pcp2-dTR-fp8-debug", "pd-tp2-nixl-fp8-unsharded",
+    "pcp2-dense-fp8-debug", "pcp2tp2-dense-plain", "pcp2tp2-dense-plain-eager",
+    "pcp2tp2-fms-plain-eager"]
 # the second 0.34 lease: the debug runs after the dummy-run fix, the debug
 # runs of FLASHMLA and TRITON_MLA, the sparse pair, the prefix control
 GROUPS["v034-debug"] = ["tp2-FA-debug", "tp2-FM-debug", "tp2-TR-debug", "pcp2-dense-debug",
@@ -508,6 +553,32 @@ def fp8_check(out, results) -> None:
                  agree(results, "tp2-dense-fp8-plain", "tp1-dense-fp8-plain"))
     if c:
         c["base"] = base
+    # TRITON_MLA, where vLLM's own PCP=2 runs with FP8: sharded against it,
+    # within the floor of TP=2 against TP=1 (both unsharded FP8); the floor
+    # of PCP=2 against TP=1 (unsharded) shows what PCP's own prefill does
+    c = fp8_pair(out, "pcp2-dense-TRITON_MLA-fp8", results, "pcp2-dTR-fp8",
+                 "pcp2-dTR-fp8-plain", agree(results, "tp2-dTR-fp8-plain", "tp1-dTR-fp8-plain"))
+    if c:
+        c["floor_fp8_pcp2_vs_tp1"] = agree(results, "pcp2-dTR-fp8-plain", "tp1-dTR-fp8-plain")
+    # P/D with FP8: the decode recomputes the last prompt token over the FP8
+    # cache (vLLM's P/D), where one instance's first token came from a prefill
+    # attending unquantized; so P/D with an unsharded prefill is the floor the
+    # sharded prefill's P/D is held to: as close to the one instance
+    pds = [_ok_pd(results, n) for n in ("pd-tp2-nixl-fp8", "pd-tp2-nixl-fp8-unsharded")]
+    if all(pds):
+        same = sum(x == y for x, y in zip(pds[0]["decode_tokens"], pds[1]["decode_tokens"]))
+        reach = [pd_reach(x) for x in pds]
+        out["pd-tp2-nixl-fp8-vs-unsharded-prefill"] = {
+            "ok": None not in reach and reach[0] >= FLOOR_SHARE * reach[1],
+            "reach_sharded_prefill": reach[0], "reach_unsharded_prefill": reach[1],
+            "first_diff_sharded_prefill": pds[0].get("first_diff"),
+            "first_diff_unsharded_prefill": pds[1].get("first_diff"),
+            "identical_decodes": same, "of": len(pds[0]["decode_tokens"])}
+
+
+def _ok_pd(results, name):
+    r = results.get(name)
+    return r if r and r.get("decode_tokens") else None
 
 
 def fp8_pair(out, key, results, run, base, floor) -> dict | None:

@@ -343,3 +343,36 @@ def test_the_decode_scheduler_fails_bad_params_with_the_reason():
     assert ids == [7, 8, 9] and params.transfer_token == TOKEN and error is None
     _, params, error = meta.to_recv["bad"]
     assert params is None and "remote_port" in error and "'p-1'" in error
+
+
+# ---- an unsharded prefill's TP ranks ------------------------------------------------
+def test_an_unsharded_prefills_other_tp_ranks_free_at_once_and_serve_nothing(monkeypatch):
+    """cp_kv off on a TP=2 prefill: the decode reads rank 0 only (a shard
+    size of 1), so TP rank 1 (a replica) reports each request sent at once;
+    vLLM frees the blocks when every rank has, so rank 0's readers still
+    decide. Before, rank 1 held every request until blocks_expiry_s (found
+    on the H200: a P/D run with an unsharded TP=2 prefill timed out waiting
+    for its cache to empty). Negative case: rank 0 holds the request until
+    its reader is done."""
+    import torch
+
+    import vllm_cp_kv.integration.connector.worker as worker_mod
+    from vllm_cp_kv.integration.connector.config import ConnectorConfig
+    from vllm_cp_kv.integration.geometry import ShardGeometry
+
+    monkeypatch.setattr(worker_mod, "make_transport", lambda *a: FakeTransport())
+    served = []
+    monkeypatch.setattr(Producer, "serve", lambda self, *a: served.append(a[1]))
+    caches = [torch.zeros(8, 16, 576)]
+    geometry = ShardGeometry(rank=0, size=1, block_size=16)
+    sides = [WorkerSide.start(ConnectorConfig(port=6100), caches, geometry, rank, "e", 2,
+                              is_producer=True, is_consumer=False) for rank in (0, 1)]
+    assert served == [6100]  # rank 0 only
+    for side in sides:
+        side.producer.add("r4", [0, 1], 20, TOKEN)
+    assert sides[1].producer.take_finished() == {"r4"}
+    assert not sides[1].producer.pending()
+    assert sides[0].producer.take_finished() == set()  # waits for its reader
+    fetch(sides[0].producer)
+    done(sides[0].producer)
+    assert sides[0].producer.take_finished() == {"r4"}

@@ -412,24 +412,36 @@ def test_row_amx_q_replicate(tiny_dsv2, monkeypatch):
 
 
 def test_row_fp8_pcp():
-    """FP8 on a dense model shards over TP (run on the H200, docs/fp8.md);
-    over PCP it is refused (checked before vLLM's own config, so called
-    directly: on CPU the PCP row of the GPU runner comes first)."""
-    from vllm_cp_kv.integration.checks import CPKVConfigError, check_kv_cache_dtype
+    """FP8 on a dense model shards on vLLM 0.34 (run on the H200,
+    docs/fp8.md): over TP on any backend vLLM runs it with, over PCP on
+    TRITON_MLA only (vLLM's own PCP with FP8 dies on FLASHMLA, so there is no
+    reference); checked directly (on CPU the PCP row of the GPU runner comes
+    first, and the backend is chosen by the workers)."""
+    from vllm_cp_kv.integration.checks import (PCP_FP8_BACKENDS, CPKVConfigError,
+                                               check_fp8_backend, check_kv_cache_dtype)
 
     new = (0, 34)
     for spelling in ("fp8", "fp8_e4m3", "fp8_e5m2"):
-        check_kv_cache_dtype(spelling, sparse=False, pcp=1, release=new)  # TP: admitted
-        with pytest.raises(CPKVConfigError) as info:
-            check_kv_cache_dtype(spelling, sparse=False, pcp=2, release=new)
-        assert any(m in str(info.value) for m in DOC["fp8-pcp"])
+        check_kv_cache_dtype(spelling, sparse=False, release=new)  # admitted
         # run on 0.34 only: 0.32 (this CPU build's, read when not given) refused
         for release in ((0, 32), None):
             with pytest.raises(CPKVConfigError) as info:
-                check_kv_cache_dtype(spelling, sparse=False, pcp=1, release=release)
+                check_kv_cache_dtype(spelling, sparse=False, release=release)
             assert any(m in str(info.value) for m in DOC["fp8-pcp"])
-    check_kv_cache_dtype("fp8_ds_mla", sparse=True, pcp=2, release=(0, 32))  # V3.2's
-    check_kv_cache_dtype("auto", sparse=False, pcp=2, release=(0, 32))
+        for name in ("FLASHMLA", "TRITON_MLA", "FLASH_ATTN_MLA"):
+            check_fp8_backend(name, spelling, sparse=False, pcp=1)  # TP: any backend
+            if name in PCP_FP8_BACKENDS:
+                check_fp8_backend(name, spelling, sparse=False, pcp=2)
+                continue
+            with pytest.raises(CPKVConfigError) as info:
+                check_fp8_backend(name, spelling, sparse=False, pcp=2)
+            assert any(m in str(info.value) for m in DOC["fp8-pcp"])
+            assert "TRITON_MLA" in str(info.value)
+    assert PCP_FP8_BACKENDS == ("TRITON_MLA",)
+    check_kv_cache_dtype("fp8_ds_mla", sparse=True, release=(0, 32))  # V3.2's
+    check_kv_cache_dtype("auto", sparse=False, release=(0, 32))
+    check_fp8_backend("FLASHMLA_SPARSE", "fp8_ds_mla", sparse=True, pcp=2)
+    check_fp8_backend("FLASHMLA", "auto", sparse=False, pcp=2)
 
 
 def test_row_scratch_cap():

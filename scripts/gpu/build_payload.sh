@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds (or reuses) a vLLM GPU payload and splits it into staging folders at
-# the repo root (git-ignored), one 42 MiB part each (PART_SIZE): .s01 .. .sNN
+# the repo root (git-ignored), one 36 MiB part each (PART_SIZE): .s01 .. .sNN
 # for vLLM 0.32 (the default), .v01 .. .vNN for another release.
 # Usage (on this CPU machine): bash scripts/gpu/build_payload.sh [--vllm 0.34.0] [WORKDIR]
 # WORKDIR defaults to .work/gpu-payload (0.32) or .work/gpu-payload-VERSION;
@@ -51,6 +51,6 @@ if [ ! -f payload.tar.xz ] || [ ! -f payload.done ]; then
 fi
 # parts small enough that one part and the tracked tree (about 15 MB of
 # committed results) stay under the device call's 64 MiB
-rm -rf "$ROOT"/$STAGE[0-9][0-9] parts; mkdir parts; split -b "${PART_SIZE:-42M}" -d -a 2 payload.tar.xz parts/p.
+rm -rf "$ROOT"/$STAGE[0-9][0-9] parts; mkdir parts; split -b "${PART_SIZE:-36M}" -d -a 2 payload.tar.xz parts/p.
 i=1; for p in parts/p.*; do d=$(printf "%s/$STAGE%02d" "$ROOT" $i); mkdir -p "$d"; cp "$p" "$d/"; i=$((i+1)); done
 echo "staging folders: $(cd "$ROOT" && ls -d $STAGE[0-9][0-9] | tr '\n' ' ')"

@@ -137,7 +137,7 @@ def check_engine_args(args, options: CPKVOptions) -> None:
     model_config = args.create_model_config()
     check_model(model_config)
     check_kv_cache_dtype(str(getattr(args, "kv_cache_dtype", None) or "auto"),
-                         bool(getattr(model_config.hf_text_config, "index_topk", None)), pcp)
+                         bool(getattr(model_config.hf_text_config, "index_topk", None)))
     if _on_gpu() and not args.enforce_eager and \
             getattr(model_config.hf_text_config, "index_topk", None):
         # vLLM would run it PIECEWISE (the sharded builders declare no
@@ -196,21 +196,18 @@ def derive_query_replication(args, pcp: int, options: CPKVOptions) -> None:
     args.dcp_q_replicate = True
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, sparse: bool, pcp: int = 1,
+def check_kv_cache_dtype(kv_cache_dtype: str, sparse: bool,
                          release: tuple[int, int] | None = None) -> None:
     """A dense MLA model with an FP8 KV cache (``--kv-cache-dtype fp8``,
-    ``fp8_e4m3``, ``fp8_e5m2``) shards over TP: run on the H200 in vLLM's
-    default mode with FLASHMLA and TRITON_MLA (vLLM itself refuses FP8 with
-    FLASH_ATTN_MLA), within the floor of two unsharded FP8 layouts
-    (docs/fp8.md). Under PCP it is refused: each rank's prefill reads this
-    step's tokens of every rank through the materialized view, so from the
-    FP8 cache, where vLLM's prefill attends to them unquantized, and on the
-    H200 its tokens parted from unsharded FP8 well before the floor. Sparse
-    models keep ``fp8_ds_mla`` (checked: docs/sparse.md). On CPU vLLM's MLA
-    backends take only the model dtype (``supported_kv_cache_dtypes =
-    ["auto"]``), so vLLM refuses FP8 there itself. It ran on vLLM 0.34 only
-    (``release``: the installed one's), so older releases are refused."""
-    if not kv_cache_dtype.startswith("fp8") or kv_cache_dtype == "fp8_ds_mla" or sparse:
+    ``fp8_e4m3``, ``fp8_e5m2``) shards on vLLM 0.34, where it ran on the H200
+    in vLLM's default mode (docs/fp8.md): over TP with FLASHMLA and
+    TRITON_MLA (vLLM itself refuses FP8 with FLASH_ATTN_MLA), over PCP with
+    TRITON_MLA (:func:`check_fp8_backend`). Sparse models keep
+    ``fp8_ds_mla`` (checked: docs/sparse.md). On CPU vLLM's MLA backends take
+    only the model dtype (``supported_kv_cache_dtypes = ["auto"]``), so vLLM
+    refuses FP8 there itself. Older releases (``release``: the installed
+    one's) are refused: it ran on 0.34 only."""
+    if not is_dense_fp8(kv_cache_dtype, sparse):
         return
     if release is None:
         from .vllm_api import installed
@@ -222,12 +219,29 @@ def check_kv_cache_dtype(kv_cache_dtype: str, sparse: bool, pcp: int = 1,
             f"model with sharded KV has run on vLLM 0.34 only (this is {release[0]}."
             f"{release[1]}); install vLLM 0.34, use the model dtype (--kv-cache-dtype "
             "auto), or disable cp_kv.")
-    if pcp > 1:
+
+
+def is_dense_fp8(kv_cache_dtype: str, sparse: bool) -> bool:
+    return kv_cache_dtype.startswith("fp8") and kv_cache_dtype != "fp8_ds_mla" and not sparse
+
+
+# dense MLA backends run with an FP8 cache and sharding over PCP (against
+# vLLM's own PCP with FP8 on the same backend, on the H200)
+PCP_FP8_BACKENDS = ("TRITON_MLA",)
+
+
+def check_fp8_backend(name: str, kv_cache_dtype: str, sparse: bool, pcp: int) -> None:
+    """Checked when the workers choose the backend: FP8 with sharding over
+    PCP only on :data:`PCP_FP8_BACKENDS`. FLASHMLA is not verified there:
+    vLLM 0.34's own PCP with an FP8 FLASHMLA cache dies in its decode
+    metadata (``get_mla_metadata_dense_fp8``: a floating-point exception),
+    so the sharded run has no unsharded reference of its layout."""
+    if pcp > 1 and is_dense_fp8(kv_cache_dtype, sparse) and name not in PCP_FP8_BACKENDS:
         raise CPKVConfigError(
-            f"cp_kv: an FP8 KV cache (--kv-cache-dtype {kv_cache_dtype}) on a dense MLA "
-            "model with sharding over PCP is not supported: the PCP prefill would attend "
-            "to this step's tokens quantized (docs/fp8.md); shard over TP, use the model "
-            "dtype (--kv-cache-dtype auto), or disable cp_kv.")
+            f"cp_kv: an FP8 KV cache (--kv-cache-dtype {kv_cache_dtype}) with sharding "
+            f"over PCP is not verified with the {name} backend (vLLM's own PCP with FP8 "
+            f"fails there, docs/fp8.md); use --attention-backend "
+            f"{' or '.join(PCP_FP8_BACKENDS)}, shard over TP, or --kv-cache-dtype auto.")
 
 
 def check_scratch_cap(blocks: int, cap: int, one_request: int) -> None:

@@ -31,7 +31,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..core import debug as core_debug
-from ..core.decode import merge_by_lse, paged_attention_with_lse, query_token_lens
+from ..core.decode import merge_by_lse, paged_attention_with_lse
 from ..core.plan import plan_materialization
 from . import vllm_api
 from .planning import DecodeView

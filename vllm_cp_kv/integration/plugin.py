@@ -190,7 +190,7 @@ def _patch_backend_selector() -> None:
         from vllm.platforms import current_platform
 
         from .backend import lse_decode_enabled, sharded_backend
-        from .checks import check_decode_backend, check_sparse_backend
+        from .checks import check_decode_backend, check_fp8_backend, check_sparse_backend
         from .vllm_api import unsharded_view
 
         # choose as an unsharded run would (FLASH_ATTN_MLA_SPARSE declines DCP)
@@ -199,6 +199,9 @@ def _patch_backend_selector() -> None:
             cls = orig(backend, unsharded, *args, **kwargs)
         if attn_selector_config.use_sparse:
             check_sparse_backend(cls.get_name())
+        check_fp8_backend(cls.get_name(), str(vllm_config.cache_config.cache_dtype),
+                          attn_selector_config.use_sparse,
+                          vllm_config.parallel_config.prefill_context_parallel_size)
         check_decode_backend(cls, current_platform.is_cuda_alike(),
                              lse_decode_enabled(vllm_config, attn_selector_config.use_sparse))
         return sharded_backend(cls)

@@ -35,7 +35,8 @@ no.    target (vLLM 0.32)                           change                  swit
        ``.check_params``; ``...consumer``           (:mod:`pd_hooks`)
        (``Consumer.receive``, ``check_complete``,
        ``read_owned_blocks``)
-10     ``vllm_cp_kv...checks.check_kv_cache_dtype`` no refusal (a probe)    ``CPKV_TEST_ALLOW_FP8=1``
+10     ``vllm_cp_kv...checks.check_kv_cache_dtype``, no refusal (a probe)    ``CPKV_TEST_ALLOW_FP8=1``
+       ``check_fp8_backend``
 =====  ===========================================  ======================  ==========================
 
 Why:
@@ -72,8 +73,9 @@ Why:
      positions (the negative control); ``CPKV_TEST_IGNORE_POSITIONS=1``
      drops them for every pull. Why and how: :mod:`pd_hooks`.
 10.  Test-only: lets a dense MLA model start with an FP8 KV cache and
-     sharded KV, which the plugin refuses (row ``fp8-dense``) until runs
-     show it right: the GPU matrix's FP8 probe runs (issue 39).
+     sharded KV where the plugin refuses it (row ``fp8-pcp``: vLLM before
+     0.34, PCP on a backend other than TRITON_MLA): the GPU matrix's FP8
+     probe runs (issue 39).
 """
 
 from __future__ import annotations
@@ -298,7 +300,8 @@ def patch_pd_consumer(m) -> None:
 
 
 def patch_allow_fp8(m) -> None:
-    m.check_kv_cache_dtype = lambda kv_cache_dtype, sparse, pcp=1, release=None: None
+    m.check_kv_cache_dtype = lambda kv_cache_dtype, sparse, release=None: None
+    m.check_fp8_backend = lambda name, kv_cache_dtype, sparse, pcp: None
 
 
 def _table() -> dict:

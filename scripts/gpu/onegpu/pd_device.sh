@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the one-GPU machine, after the payload parts are staged in /root/stage
-# (docs/gpu-testing.md; the last part also brings mooncake_gpu.tar.xz, the
+# (docs/gpu-testing.md; the folder .s12 brings mooncake_gpu.tar.xz, the
 # pruned CUDA build of Mooncake, and whl/, what `vllm serve` needs):
 #   bash scripts/gpu/onegpu/pd_device.sh WHAT BUDGET_S TAG
 # WHAT: ``matrix`` (benchmarks/gpu_onegpu.py --runs pd: P/D over NIXL and

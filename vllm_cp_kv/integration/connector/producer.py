@@ -58,7 +58,7 @@ class Producer:
 
     def __init__(self, handshake: Handshake, expiry_s: float,
                  on_finished: Callable[[], None] = lambda: None, transport=None,
-                 counters: TransferCounters | None = None):
+                 counters: TransferCounters | None = None, replica: bool = False):
         self.shard = handshake.shard  # the geometry this rank serves under
         self.rank = self.shard.rank
         self.handshake, self.expiry_s, self.transport = handshake, expiry_s, transport
@@ -66,6 +66,9 @@ class Producer:
         self._on_finished = on_finished
         self._lock = threading.Lock()
         self._served: dict[str, Served] = {}
+        # a replica (an unsharded prefill's TP rank > 0) serves no reader:
+        # every request it is handed is finished at once
+        self.replica = replica
         self._finished: set[str] = set()
         self._leased = threading.Event()  # some claim is outstanding: drive progress
         self._stop = threading.Event()
@@ -79,6 +82,10 @@ class Producer:
             now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         with self._lock:
+            if self.replica:
+                self._finished.add(req_id)
+                self._on_finished()
+                return
             self._served[req_id] = Served(list(table), num_tokens, token, now + self.expiry_s,
                                           now + self.expiry_s + MAX_LEASE_S)
 

@@ -64,7 +64,16 @@ class WorkerSide:
         side = cls()
         side.counters = TransferCounters(rank)
         side.device = caches[0].device
-        if is_producer:
+        if is_producer and rank >= geometry.size:
+            # an unsharded prefill's TP rank > 0: its latent cache is a replica
+            # of rank 0's, which decodes read (ranks 0 .. size - 1); it serves
+            # nothing and reports each request sent at once, so that vLLM frees
+            # the blocks when rank 0's readers are done (not at expiry)
+            side.producer = Producer(handshake, cfg.expiry_s, side.event.set, transport,
+                                     side.counters, replica=True)
+            logger.info("cp_kv connector: prefill TP rank %d holds a replica of the "
+                        "unsharded cache; the decode reads rank 0's", rank)
+        elif is_producer:
             side.producer = Producer(handshake, cfg.expiry_s, side.event.set, transport,
                                      side.counters)
             side.producer.serve(cfg.host, cfg.port + rank, cfg.secret)
