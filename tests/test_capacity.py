@@ -131,12 +131,12 @@ def test_fp8_capacity_at_deepseek_v3_shapes(tmp_path, n, goal):
 def test_pcp_by_tp_shards_over_all_ranks(tmp_path):
     """``--pcp P --tp T``: one shard group of P x T ranks (issue 40), with the
     whole view as its scratch (PCP reads the whole view, as a materializing
-    decode does); reported as not starting yet (row pcp-and-tp)."""
+    decode does); it needs vLLM 0.34 (row pcp-and-tp)."""
     both = capacity_json(tmp_path, "--pcp", "2", "--tp", "2")
     whole4 = capacity_json(tmp_path, "--tp", "4", "--decode", "materialize")
-    assert both["shard_size"] == 4 and both["starts"] is False
+    assert both["shard_size"] == 4 and both["min_vllm"] == "0.34"
     assert {k: both[k] for k in ("sharded", "unsharded", "scratch_blocks")} == \
         {k: whole4[k] for k in ("sharded", "unsharded", "scratch_blocks")}
     alone = capacity_json(tmp_path, "--pcp", "2", "--tp", "1")
-    assert alone["shard_size"] == 2 and alone["starts"] is True
+    assert alone["shard_size"] == 2 and alone["min_vllm"] == "0.32"
     assert capacity_json(tmp_path, "--pcp", "2", "--tp", "4")["shard_size"] == 8

@@ -157,3 +157,91 @@ def _merge_without_pcp(out, lse, g, shard_group, pcp_group, tp_group):
 @needs_vllm
 def test_vllms_groups_number_the_shard_group_and_the_merge_is_exact():
     spawn_ranks(_worker, 4, timeout=300)
+
+
+# ---- the runtime's pieces for PCP x TP (integration; vLLM 0.34's numbering) ---------
+def _config(pcp, tp, decode="lse"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        additional_config={"cp_kv": {"enable": True, "decode": decode}},
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp,
+                                        prefill_context_parallel_size=pcp))
+
+
+@pytest.mark.parametrize("pcp,tp", [(1, 4), (2, 1), (2, 2), (2, 4), (4, 2)])
+def test_the_geometry_splits_heads_over_the_tp_ranks(pcp, tp):
+    """Each rank's layer holds its TP rank's H / TP heads: the geometry's
+    head rank is the TP rank of vLLM 0.34's numbering (the world rank), for
+    every layout; the decode kernel runs on the TP ranks' heads."""
+    from vllm_cp_kv.integration.backend import decode_kernel_ranks
+    from vllm_cp_kv.integration.geometry import geometry_of
+
+    g = PCPxTP(pcp, tp)
+    for p in range(pcp):
+        for t in range(tp):
+            geo = geometry_of(_config(pcp, tp), block_size=BS, rank=g.shard_rank(p, t))
+            assert geo.size == pcp * tp and geo.head_ranks == tp and geo.head_rank == t
+            assert geo.axis == {(True, True): "pcp-tp", (True, False): "pcp"}.get(
+                (pcp > 1, tp > 1), "tp")
+    assert decode_kernel_ranks(_config(pcp, tp), sparse=False) == tp
+    assert decode_kernel_ranks(_config(pcp, tp, "materialize"), sparse=False) == 1
+    assert decode_kernel_ranks(_config(pcp, tp), sparse=True) == 1
+
+
+def test_the_pcp_tp_decode_merge_keeps_each_ranks_tp_heads():
+    """What ``decode.run_gpu`` does under PCP x TP, with the collectives
+    done in one process: every rank attends with all H heads (queries
+    gathered over TP) to the tokens it owns, the LSE merge over all N ranks
+    (vLLM's ``cp_lse_ag_out_ar``), then this rank's TP heads
+    (``_head_slice``): equal to attention over the whole sequence. Negative
+    control: slicing by the shard rank (as the TP-only layout may) gives
+    another rank's heads."""
+    from types import SimpleNamespace
+
+    from vllm_cp_kv.core.decode import merge_by_lse
+    from vllm_cp_kv.integration.decode import _head_slice
+    from vllm_cp_kv.integration.geometry import ShardGeometry
+
+    g = PCPxTP(2, 2)
+    q, table, seqs = _batch(g.size)
+    lens = torch.tensor(LENS)
+    want = torch.stack([attention(q[i], seq, SCALE, V)[0] for i, seq in enumerate(seqs)])
+    parts = []
+    for r in range(g.size):
+        local = owned_token_count(lens, CPShardSpec(r, g.size, BS))
+        parts.append(paged_attention_with_lse(q, _own_cache(r, g.size, table, seqs), table,
+                                              local, SCALE, V))
+    merged = merge_by_lse(torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts]))
+    wrong = 0
+    for r in range(g.size):
+        p, t = g.coords(r)
+        geo = ShardGeometry(rank=r, size=g.size, block_size=BS, axis="pcp-tp", tp=g.tp)
+        mine = _head_slice(SimpleNamespace(spec=geo), merged, H // g.tp)
+        assert torch.allclose(mine.double(), want[:, g.heads(t, H)], atol=1e-6)
+        by_shard_rank = merged[:, r * (H // g.tp):(r + 1) * (H // g.tp)]
+        wrong += by_shard_rank.shape[1] != H // g.tp or not torch.allclose(
+            by_shard_rank.double(), want[:, g.heads(t, H)], atol=1e-3)
+    assert wrong >= 2  # ranks 1 and 2 at least
+
+
+def test_decode_bytes_per_step_follow_the_layout_not_the_context():
+    """The statistics' decode bytes (``gpu_step_bytes``): TP reduce-scatters
+    the outputs over all N, PCP and PCP x TP all-reduce them; the query
+    gather spans the TP ranks only; nothing depends on the context."""
+    from types import SimpleNamespace
+
+    from vllm_cp_kv.integration.decode import gpu_step_bytes
+
+    rows, h, qw, v = 8, 16, 576, 512
+
+    def step(n, head_ranks, gathers, context):
+        view = SimpleNamespace(local_lens=torch.full((rows,), context))
+        return gpu_step_bytes(view, heads=h, q_width=qw, v_dim=v, q_bytes=2, out_bytes=2,
+                              size=n, gathers_queries=gathers, head_ranks=head_ranks)
+
+    lse = lambda n: rows * h * 4 * (n - 1)  # noqa: E731
+    assert step(4, 4, True, 100) == rows * h * qw * 2 * 3 // 4 + lse(4) + rows * h * v * 2 * 3 // 4
+    assert step(2, 1, False, 100) == lse(2) + rows * h * v * 2 * 2 // 2
+    assert step(4, 2, True, 100) == rows * h * qw * 2 // 2 + lse(4) + rows * h * v * 2 * 6 // 4
+    assert step(4, 2, True, 100) == step(4, 2, True, 100_000)

@@ -143,7 +143,16 @@ def test_row_pcp_platform(tiny_dsv2):
 
 
 def test_row_pcp_and_tp(tiny_dsv2):
+    """Refused on this CPU build's vLLM 0.32 (its PCP x TP group is numbered
+    otherwise than its collectives order it), admitted on 0.34."""
+    from vllm_cp_kv.integration.checks import CPKVConfigError, check_pcp_and_tp
+
     expect_row("pcp-and-tp", tiny_dsv2, prefill_context_parallel_size=2)
+    check_pcp_and_tp(2, 2, release=(0, 34))
+    for release in ((0, 32), (0, 33)):
+        with pytest.raises(CPKVConfigError) as info:
+            check_pcp_and_tp(2, 4, release=release)
+        assert any(m in str(info.value) for m in DOC["pcp-and-tp"])
 
 
 def test_row_cuda_graphs(tiny_dsv2, dsv32_model, monkeypatch):

@@ -70,12 +70,15 @@ def lse_decode_enabled(vllm_config, sparse: bool) -> bool:
 
 
 def decode_kernel_ranks(vllm_config, sparse: bool) -> int:
-    """The ranks whose query heads the decode kernel runs on: a TP shard
-    group's, all N (each rank's layer holds H / N heads, the shard-aware
-    decode gathers them); else this rank's own (a full view; PCP)."""
-    if not lse_decode_enabled(vllm_config, sparse) or \
-            vllm_config.parallel_config.prefill_context_parallel_size > 1:
+    """The ranks whose query heads the decode kernel runs on: the TP ranks of
+    the shard group (each rank's layer holds H / TP heads, the shard-aware
+    decode gathers them): all N of a TP group, TP of a PCP x TP group, 1
+    under PCP with TP 1; else this rank's own (a full view)."""
+    if not lse_decode_enabled(vllm_config, sparse):
         return 1
+    parallel = vllm_config.parallel_config
+    if parallel.prefill_context_parallel_size > 1:
+        return parallel.tensor_parallel_size if group_size_of(vllm_config) > 1 else 1
     return group_size_of(vllm_config)
 
 
@@ -155,7 +158,8 @@ class ShardedBuilder:
         per_layer = decode.gpu_step_bytes(
             view, heads=self.num_heads * self.cp_kv_decode_ranks,
             q_width=self.kv_cache_spec.head_size, v_dim=self.mla_dims.kv_lora_rank,
-            q_bytes=elt, out_bytes=elt, size=size, gathers_queries=gathers)
+            q_bytes=elt, out_bytes=elt, size=size, gathers_queries=gathers,
+            head_ranks=self.cp_kv_decode_ranks)
         return per_layer * len(self.cp_kv_layers[1])
 
     @classmethod

@@ -83,13 +83,7 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             f"(--pipeline-parallel-size={args.pipeline_parallel_size}); set it to 1 "
             "or disable cp_kv.")
     if pcp > 1 and tp > 1:
-        raise CPKVConfigError(
-            f"cp_kv: sharding with both --tensor-parallel-size={tp} and "
-            f"--prefill-context-parallel-size={pcp} is not supported yet (one shard "
-            f"group of all {pcp * tp} ranks: its numbering and decode merge are built, "
-            "the runtime over it has not run); the KV shard group is the PCP group "
-            "with TP 1, or the TP group without PCP. `vllm-cp-kv capacity --pcp "
-            f"{pcp} --tp {tp}` shows what it would hold.")
+        check_pcp_and_tp(pcp, tp)
     if _on_gpu() and not args.enforce_eager:
         check_cuda_graphs(args.compilation_config)
     if options.prefetch and (pcp > 1 or options.decode != "lse"):
@@ -196,6 +190,32 @@ def derive_query_replication(args, pcp: int, options: CPKVOptions) -> None:
     args.dcp_q_replicate = True
 
 
+def _before_034(release: tuple[int, int] | None) -> tuple[int, int] | None:
+    """``release`` (default: the installed vLLM's) if it is before 0.34."""
+    if release is None:
+        from .vllm_api import installed
+
+        release = installed()[0]
+    return release if release is not None and release < (0, 34) else None
+
+
+def check_pcp_and_tp(pcp: int, tp: int, release: tuple[int, int] | None = None) -> None:
+    """Sharding over PCP x TP (one shard group of all ranks) needs vLLM 0.34:
+    its DCP group over both axes numbers its members as their collectives
+    order them (the world rank); vLLM 0.32 and 0.33 number them PCP first
+    while the collectives go by world rank (``core.groups.PCPxTP``), which
+    the plugin's gathers do not permute. ``release``: the installed one's
+    unless given."""
+    release = _before_034(release)
+    if release:
+        raise CPKVConfigError(
+            f"cp_kv: sharding with both --tensor-parallel-size={tp} and "
+            f"--prefill-context-parallel-size={pcp} needs vLLM 0.34 (this is "
+            f"{release[0]}.{release[1]}: its group of all {pcp * tp} ranks numbers them "
+            "otherwise than its collectives order them); install vLLM 0.34, or shard "
+            "over the PCP group with TP 1, or over the TP group without PCP.")
+
+
 def check_kv_cache_dtype(kv_cache_dtype: str, sparse: bool,
                          release: tuple[int, int] | None = None) -> None:
     """A dense MLA model with an FP8 KV cache (``--kv-cache-dtype fp8``,
@@ -209,11 +229,8 @@ def check_kv_cache_dtype(kv_cache_dtype: str, sparse: bool,
     one's) are refused: it ran on 0.34 only."""
     if not is_dense_fp8(kv_cache_dtype, sparse):
         return
-    if release is None:
-        from .vllm_api import installed
-
-        release = installed()[0]
-    if release is not None and release < (0, 34):
+    release = _before_034(release)
+    if release:
         raise CPKVConfigError(
             f"cp_kv: an FP8 KV cache (--kv-cache-dtype {kv_cache_dtype}) on a dense MLA "
             f"model with sharded KV has run on vLLM 0.34 only (this is {release[0]}."

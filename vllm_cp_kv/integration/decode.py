@@ -79,16 +79,22 @@ def _one_query_rows(builder, view: DecodeView, table, lens, max_len: int):
 
 
 def gpu_step_bytes(view: DecodeView, *, heads: int, q_width: int, v_dim: int,
-                   q_bytes: int, out_bytes: int, size: int, gathers_queries: bool) -> int:
+                   q_bytes: int, out_bytes: int, size: int, gathers_queries: bool,
+                   head_ranks: int | None = None) -> int:
     """What one layer's shard-aware decode receives from the other ranks on
     GPU (:func:`run_gpu`), from the batch's shapes alone: a replayed CUDA
     graph runs no Python, so the builder counts a step's bytes when it
-    plans the step. ``heads``: all H; ``gathers_queries``: the TP query
-    all-gather runs (not with vLLM's query replication or under PCP)."""
+    plans the step. ``heads``: all H; ``gathers_queries``: the query
+    all-gather over the ``head_ranks`` ranks (default: all ``size``) runs
+    (not with vLLM's query replication or under PCP with TP 1). The outputs
+    are reduce-scattered where the heads split over the whole group (TP),
+    else all-reduced (a ring's ``2 (N - 1) / N``)."""
     rows, n = view.local_lens.shape[0], size
-    q = rows * heads * q_width * q_bytes * (n - 1) // n if gathers_queries else 0
+    t = n if head_ranks is None else head_ranks
+    q = rows * heads * q_width * q_bytes * (t - 1) // t if gathers_queries else 0
     lse = rows * heads * 4 * (n - 1)  # float32 LSEs, all-gathered
-    out = rows * heads * v_dim * out_bytes * (n - 1) // n  # reduce-scattered (TP)
+    share = (n - 1) if t == n else 2 * (n - 1)
+    out = rows * heads * v_dim * out_bytes * share // n
     return q + lse + out
 
 
@@ -111,8 +117,13 @@ def own_heads(runtime, q, local_heads: int):
     attends with its own heads only)."""
     if isinstance(q, tuple) or q.shape[1] == local_heads:
         return q
-    rank = runtime.spec.rank
-    return q[:, rank * local_heads:(rank + 1) * local_heads]
+    return _head_slice(runtime, q, local_heads)
+
+
+def _head_slice(runtime, x: torch.Tensor, local_heads: int) -> torch.Tensor:
+    """This rank's ``local_heads`` heads of ``[B, H, ...]``."""
+    rank = runtime.spec.head_rank
+    return x[:, rank * local_heads:(rank + 1) * local_heads]
 
 
 def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_context):
@@ -120,8 +131,11 @@ def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_c
     (``forward_mqa``, the inner impl's) on this rank's owned blocks
     returning its LSE, vLLM's merge (``cp_lse_ag_out_rs``: all-gather of
     the LSEs, reduce-scatter of the outputs over heads; under PCP every rank
-    has all heads: ``cp_lse_ag_out_ar``). ``lse_context``: where the kernel
-    returns a float32 LSE (``vllm_api.float32_decode_lse``)."""
+    has all heads: ``cp_lse_ag_out_ar``; under PCP x TP the same over all N
+    ranks, each keeping its TP rank's heads: ``core.groups.merge_partials``
+    would move fewer bytes, reduce-scattering over TP and summing ``H / TP``
+    heads over PCP, but is not a vLLM kernel). ``lse_context``: where the
+    kernel returns a float32 LSE (``vllm_api.float32_decode_lse``)."""
     from vllm.v1.attention.ops.dcp import cp_lse_ag_out_ar, cp_lse_ag_out_rs
 
     view = attn_metadata.cp_kv.decode
@@ -134,9 +148,11 @@ def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_c
     with vllm_api.impl_returns_decode_lse(impl), lse_context() as float32:
         out, lse = forward_mqa(q, kv_cache, attn_metadata, layer)
     lse = float32.get("lse", lse)
-    combine = cp_lse_ag_out_rs if view.gather_heads else cp_lse_ag_out_ar
-    return combine(out, lse, runtime.group, is_lse_base_on_e=impl.lse_base_on_e,
-                   seq_lens=view.local_lens, query_start_loc=view.query_start_loc)
+    split = runtime.spec.head_ranks == runtime.spec.size  # the heads split over all N
+    combine = cp_lse_ag_out_rs if view.gather_heads and split else cp_lse_ag_out_ar
+    out = combine(out, lse, runtime.group, is_lse_base_on_e=impl.lse_base_on_e,
+                  seq_lens=view.local_lens, query_start_loc=view.query_start_loc)
+    return out if split or not view.gather_heads else _head_slice(runtime, out, impl.num_heads)
 
 
 @dataclass(frozen=True)
@@ -258,8 +274,7 @@ def check_against_full_view(impl, forward_mqa, q, out, attn_metadata, kv_cache,
                                       plan.full_block_table, lens, impl.scale,
                                       impl.kv_lora_rank)
     if view.gather_heads:
-        h = out.shape[1]
-        ref = ref[:, runtime.spec.rank * h:(runtime.spec.rank + 1) * h]
+        ref = _head_slice(runtime, ref, out.shape[1])
     unsharded = None
     if made.decode_builder is not None and not view.multi_query:
         md = copy.copy(attn_metadata)
@@ -268,8 +283,7 @@ def check_against_full_view(impl, forward_mqa, q, out, attn_metadata, kv_cache,
             lens.to(device=view.local_lens.device, dtype=torch.int32), int(lens.max()))
         unsharded = forward_mqa(q, full, md, layer)[0]
         if unsharded.shape[1] != out.shape[1]:  # replicated queries: this rank's heads
-            h = out.shape[1]
-            unsharded = unsharded[:, runtime.spec.rank * h:(runtime.spec.rank + 1) * h]
+            unsharded = _head_slice(runtime, unsharded, out.shape[1])
     err, inner_err = core_debug.check_decode_merge(out, ref, runtime.spec, unsharded)
     runtime.stats.note_decode_check(err, inner_err)
     if runtime.stats.debug_decode_checks == 1:

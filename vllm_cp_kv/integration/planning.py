@@ -334,7 +334,7 @@ def plan_batch(runtime, common, num_decodes: int, *, whole: bool, lse_decode: bo
                      full_table=full.to(table.device), reads=reads,
                      num_decodes=num_decodes, chunks=chunks)
     if lse_decode and num_decodes:
-        made.decode = decode_view(common, num_decodes, spec, spec.spans_tp,
+        made.decode = decode_view(common, num_decodes, spec, spec.head_ranks > 1,
                                   runtime.decode_buffers(common.block_table_tensor))
         batch.multi_query |= made.decode.multi_query
     batch.plans[key] = made

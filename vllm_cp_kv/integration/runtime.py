@@ -2,7 +2,9 @@
 once the KV cache is known and bound to the model's attention layers.
 
 It holds the shard geometry, the shard group (vLLM's DCP group, which the
-plugin makes span the TP group, or the PCP group when PCP > 1), the scratch
+plugin makes span the TP group, the PCP group, or both), the head group
+(the ranks the query heads split over: the shard group under TP, vLLM's TP
+group under PCP x TP), the scratch
 pool, the running statistics, and the one open
 :class:`~vllm_cp_kv.integration.planning.BatchContext` of the engine step
 (:meth:`ShardRuntime.step`). Builders reach it through their layers
@@ -80,9 +82,10 @@ class ShardRuntime:
     """What the sharded builders and impls of one worker share."""
 
     def __init__(self, spec: ShardGeometry, group, scratch_blocks: int | None,
-                 max_decode_rows: int = 8192):
+                 max_decode_rows: int = 8192, head_group=None):
         self.spec = spec
         self.group = group
+        self.head_group = group if head_group is None else head_group
         # the most query tokens one step's decode rows hold (the scheduler's
         # token budget): the size of the decode buffers
         self.max_decode_rows = max_decode_rows
@@ -255,8 +258,9 @@ class ShardRuntime:
         return buffers
 
     def gather_heads(self, q: torch.Tensor, count: bool = True) -> torch.Tensor:
-        """``[B, H/N, D]`` -> ``[B, H, D]`` over the shard group (TP)."""
-        q = self.group.all_gather(q.contiguous(), dim=1)
+        """``[B, H / head_ranks, D]`` -> ``[B, H, D]`` over the head group
+        (the TP ranks)."""
+        q = self.head_group.all_gather(q.contiguous(), dim=1)
         if count:
             self.received(q)
         return q
@@ -279,7 +283,14 @@ def make_runtime(spec: ShardGeometry, scratch_blocks: int | None,
     tp = get_tp_group()
     if list(tp.ranks) == list(group.ranks):
         group = tp
-    return ShardRuntime(spec, group, scratch_blocks, max_decode_rows)
+    # PCP x TP: the queries split over the TP group only
+    head_group = tp if spec.axis == "pcp-tp" else None
+    if head_group is not None and (tp.world_size != spec.head_ranks
+                                   or tp.rank_in_group != spec.head_rank):
+        raise RuntimeError(f"cp_kv: the worker's geometry {spec} does not number vLLM's "
+                           f"TP group (rank {tp.rank_in_group} of {tp.world_size}) as "
+                           "vLLM 0.34 does")
+    return ShardRuntime(spec, group, scratch_blocks, max_decode_rows, head_group)
 
 
 def runtime_of_layers(vllm_config, layer_names) -> ShardRuntime | None:

@@ -72,7 +72,8 @@ def capacity(a) -> int:
         chunked=chunked_context(layout, a), workspace_tokens=a.workspace_tokens)
     if a.json:
         print(json.dumps({**got, "shard_size": n, "pcp": a.pcp, "tp": a.tp,
-                          "starts": not (a.pcp > 1 and a.tp > 1), "budget_bytes": budget,
+                          "min_vllm": "0.34" if a.pcp > 1 and a.tp > 1 else "0.32",
+                          "budget_bytes": budget,
                           "bytes_per_token": layout["layers"] * (layout["latent"]
                                                                  + layout["indexer"])}))
         return 0
@@ -86,7 +87,7 @@ def capacity(a) -> int:
           f"{'the chunked context' if chunked_context(layout, a) else 'the whole view'})")
     if a.pcp > 1 and a.tp > 1:
         print(f"note            PCP {a.pcp} x TP {a.tp}: one shard group of {n} ranks; "
-              "refused at startup until it has run (docs/startup-checks.md, pcp-and-tp)")
+              "needs vLLM 0.34 (docs/startup-checks.md, pcp-and-tp)")
     return 0
 
 

@@ -99,7 +99,7 @@ def _llm(a, role: str):
         kw.update(gpu_mem=a.gpu_mem if role == "prefill" else a.decode_gpu_mem,
                   kv_bytes=a.kv_bytes)  # per rank; skips memory profiling
         if role in ("prefill", "floor") and a.prefill_pcp > 1:
-            kw.update(tp=1, pcp=a.prefill_pcp)
+            kw.update(pcp=a.prefill_pcp)  # with --prefill-tp: PCP x TP (vLLM 0.34)
         if role == "decode" and not a.decode_prefix_caching:
             kw["enable_prefix_caching"] = False
         kw["eager"] = not a.cuda_graphs  # every instance: vLLM's CUDA graphs or none
