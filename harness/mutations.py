@@ -71,6 +71,21 @@ MUTATIONS = [
      "        pass", "tests/test_pcp_tp_group.py"),
     ("vllm_cp_kv/core/groups.py", "            return tp_rank * self.pcp + pcp_rank",
      "            return pcp_rank * self.tp + tp_rank", "tests/test_pcp_tp_group.py"),
+    # this round: the TP rank's heads under PCP x TP; an unsharded prefill's
+    # replica rank; FP8 over PCP off TRITON_MLA; PCP x TP before vLLM 0.34
+    ("vllm_cp_kv/integration/geometry.py", "        return self.rank % self.head_ranks",
+     "        return self.rank", "tests/test_pcp_tp_group.py"),
+    ("vllm_cp_kv/integration/connector/worker.py",
+     "        if is_producer and rank >= geometry.size:",
+     "        if False:", "tests/test_connector_units.py"),
+    ("vllm_cp_kv/integration/checks.py",
+     "    if pcp > 1 and is_dense_fp8(kv_cache_dtype, sparse) and name not in PCP_FP8_BACKENDS:",
+     "    if False:", "tests/test_startup_checks.py::test_row_fp8_pcp"),
+    ("vllm_cp_kv/integration/checks.py", "    return release if release is not None and "
+     "release < (0, 34) else None", "    return None",
+     "tests/test_startup_checks.py::test_row_pcp_and_tp"),
+    ("vllm_cp_kv/integration/decode.py", "    split = spec.head_ranks == spec.size",
+     "    split = True", "tests/test_pcp_tp_group.py"),
 ]
 
 # the suite's share: a decode buffer rewritten in place, the PCP mask's

@@ -139,4 +139,6 @@ def test_pcp_by_tp_shards_over_all_ranks(tmp_path):
         {k: whole4[k] for k in ("sharded", "unsharded", "scratch_blocks")}
     alone = capacity_json(tmp_path, "--pcp", "2", "--tp", "1")
     assert alone["shard_size"] == 2 and alone["min_vllm"] == "0.32"
+    # a dense FP8 cache is sharded on vLLM 0.34 only (row fp8-pcp)
+    assert capacity_json(tmp_path, "--tp", "2", "--kv-cache-dtype", "fp8")["min_vllm"] == "0.34"
     assert capacity_json(tmp_path, "--pcp", "2", "--tp", "4")["shard_size"] == 8

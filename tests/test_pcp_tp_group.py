@@ -222,7 +222,7 @@ def test_the_pcp_tp_decode_merge_keeps_each_ranks_tp_heads():
         by_shard_rank = merged[:, r * (H // g.tp):(r + 1) * (H // g.tp)]
         wrong += by_shard_rank.shape[1] != H // g.tp or not torch.allclose(
             by_shard_rank.double(), want[:, g.heads(t, H)], atol=1e-3)
-    assert wrong >= 2  # ranks 1 and 2 at least
+    assert wrong >= 2  # ranks 2 and 3: their shard rank is no TP rank
 
 
 def test_decode_bytes_per_step_follow_the_layout_not_the_context():
@@ -244,4 +244,22 @@ def test_decode_bytes_per_step_follow_the_layout_not_the_context():
     assert step(4, 4, True, 100) == rows * h * qw * 2 * 3 // 4 + lse(4) + rows * h * v * 2 * 3 // 4
     assert step(2, 1, False, 100) == lse(2) + rows * h * v * 2 * 2 // 2
     assert step(4, 2, True, 100) == rows * h * qw * 2 // 2 + lse(4) + rows * h * v * 2 * 6 // 4
-    assert step(4, 2, True, 100) == step(4, 2, True, 100_000)
+    # (the context never enters: the figures are the batch's shapes alone)
+
+
+@pytest.mark.parametrize("axis,size,tp,gather,want", [
+    ("tp", 4, 4, True, (True, False)),        # reduce-scatter: each rank its H / N
+    ("tp", 4, 4, False, (False, False)),      # no gather (not reached: TP gathers)
+    ("pcp", 2, 1, False, (False, False)),     # all-reduce, all H on every rank
+    ("pcp-tp", 4, 2, True, (False, True)),    # all-reduce over N, keep the TP heads
+    ("pcp-tp", 8, 4, True, (False, True))])
+def test_the_gpu_decode_merges_by_the_layout(axis, size, tp, gather, want):
+    """``decode.run_gpu``'s choice of vLLM's merge: reduce-scatter only where
+    the heads split over the whole group; PCP x TP all-reduces and keeps its
+    TP rank's heads (a reduce-scatter there would hand each rank H / N heads
+    of the wrong ranks)."""
+    from vllm_cp_kv.integration.decode import merge_kind
+    from vllm_cp_kv.integration.geometry import ShardGeometry
+
+    spec = ShardGeometry(rank=size - 1, size=size, block_size=BS, axis=axis, tp=tp)
+    assert merge_kind(spec, gather) == want

@@ -118,3 +118,9 @@ def logical_capacity_tokens(*, budget_bytes: int, page_bytes: int, num_layers: i
     sharded = (budget_bytes - scratch * page_bytes) // per_block * block_size * shard_size
     return {"unsharded": unsharded, "sharded": sharded, "scratch_blocks": scratch,
             "ratio": sharded / unsharded if unsharded else float("inf")}
+
+
+def is_dense_fp8(kv_cache_dtype: str, sparse: bool) -> bool:
+    """An FP8 cache of a dense MLA model (``fp8``, ``fp8_e4m3``,
+    ``fp8_e5m2``; sparse models keep their own ``fp8_ds_mla``)."""
+    return kv_cache_dtype.startswith("fp8") and kv_cache_dtype != "fp8_ds_mla" and not sparse

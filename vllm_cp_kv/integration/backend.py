@@ -154,7 +154,10 @@ class ShardedBuilder:
         no Python)."""
         config = self.cp_kv_layers[0]
         elt = config.model_config.dtype.itemsize
-        gathers = view.gather_heads and not config.parallel_config.dcp_q_replicate
+        # vLLM replicates the query projection only without PCP (qrep)
+        parallel = config.parallel_config
+        gathers = view.gather_heads and not (
+            parallel.dcp_q_replicate and parallel.prefill_context_parallel_size == 1)
         per_layer = decode.gpu_step_bytes(
             view, heads=self.num_heads * self.cp_kv_decode_ranks,
             q_width=self.kv_cache_spec.head_size, v_dim=self.mla_dims.kv_lora_rank,

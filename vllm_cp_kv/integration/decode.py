@@ -148,11 +148,21 @@ def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_c
     with vllm_api.impl_returns_decode_lse(impl), lse_context() as float32:
         out, lse = forward_mqa(q, kv_cache, attn_metadata, layer)
     lse = float32.get("lse", lse)
-    split = runtime.spec.head_ranks == runtime.spec.size  # the heads split over all N
-    combine = cp_lse_ag_out_rs if view.gather_heads and split else cp_lse_ag_out_ar
+    scatter, keep_own = merge_kind(runtime.spec, view.gather_heads)
+    combine = cp_lse_ag_out_rs if scatter else cp_lse_ag_out_ar
     out = combine(out, lse, runtime.group, is_lse_base_on_e=impl.lse_base_on_e,
                   seq_lens=view.local_lens, query_start_loc=view.query_start_loc)
-    return out if split or not view.gather_heads else _head_slice(runtime, out, impl.num_heads)
+    return _head_slice(runtime, out, impl.num_heads) if keep_own else out
+
+
+def merge_kind(spec, gather_heads: bool) -> tuple[bool, bool]:
+    """How :func:`run_gpu` merges the ranks' partial outputs of all H heads:
+    ``(scatter, keep_own)``. The heads split over the whole group (TP):
+    reduce-scatter them (each rank gets its ``H / N``); else all-reduce, and
+    where the heads split over the TP ranks of a larger group (PCP x TP)
+    keep this rank's ``H / TP``; under PCP with TP 1 every rank keeps all."""
+    split = spec.head_ranks == spec.size
+    return gather_heads and split, gather_heads and not split
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ over the PCP group needs, and :func:`make_runner_cls` selects it through
 ``GPUModelRunner.pcp_manager_cls`` (vLLM's hook for its PCP manager).
 
 * **Layout.** The plugin sets DCP = PCP (vLLM 0.32 lets the DCP group span
-  the PCP axis), so vLLM's scheduler, block tables and slot mapping already
-  use the sharded block layout. Each rank all-gathers every rank's new KV
+  the PCP axis; with TP > 1, DCP = PCP x TP on vLLM 0.34), so vLLM's
+  scheduler, block tables and slot mapping already use the sharded block
+  layout. Each rank all-gathers every rank's new KV
   (vLLM's PCP path) and writes only the rows it owns.
 * **Plan.** Ranks run different chunks of each prefill, but the full-view
   gather is a collective: each step the manager records the global batch

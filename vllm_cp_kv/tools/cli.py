@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from ..core.capacity import logical_capacity_tokens
+from ..core.capacity import is_dense_fp8, logical_capacity_tokens
 from ..integration.geometry import shard_group_size
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": None}
@@ -72,7 +72,9 @@ def capacity(a) -> int:
         chunked=chunked_context(layout, a), workspace_tokens=a.workspace_tokens)
     if a.json:
         print(json.dumps({**got, "shard_size": n, "pcp": a.pcp, "tp": a.tp,
-                          "min_vllm": "0.34" if a.pcp > 1 and a.tp > 1 else "0.32",
+                          # PCP x TP and a dense FP8 cache need vLLM 0.34
+                          "min_vllm": "0.34" if (a.pcp > 1 and a.tp > 1) or is_dense_fp8(
+                              a.kv_cache_dtype, bool(layout["indexer"])) else "0.32",
                           "budget_bytes": budget,
                           "bytes_per_token": layout["layers"] * (layout["latent"]
                                                                  + layout["indexer"])}))

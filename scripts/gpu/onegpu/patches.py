@@ -301,7 +301,7 @@ def patch_pd_consumer(m) -> None:
 
 def patch_allow_fp8(m) -> None:
     m.check_kv_cache_dtype = lambda kv_cache_dtype, sparse, release=None: None
-    m.check_fp8_backend = lambda name, kv_cache_dtype, sparse, pcp: None
+    m.check_fp8_backend = lambda name, kv_cache_dtype, sparse, pcp, tp=1: None
 
 
 def _table() -> dict:

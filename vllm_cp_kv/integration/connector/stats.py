@@ -138,7 +138,8 @@ class ShardedKVPromMetrics(KVConnectorPromMetrics):
         if kv is not None and kv.is_kv_consumer:
             roles.append(("decode", parallel.tensor_parallel_size))
         if kv is not None and kv.is_kv_producer:
-            # every rank serves: the shard group's, or (unsharded) the TP ranks
+            # a series per rank: the shard group's, or (unsharded) the TP ranks
+            # (rank 0 serves; the others hold replicas, reported sent at once)
             shard = group_size_of(vllm_config)
             roles.append(("prefill", shard if shard > 1 else parallel.tensor_parallel_size))
         for idx in per_engine_labelvalues:
