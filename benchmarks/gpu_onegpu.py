@@ -180,6 +180,30 @@ def runs() -> dict:
         "20", "--stats"], True, {})
     r["pcp2tp2-fms-shard-eager"] = ("dsv32", pcp2tp2 + SPARSE["fms"] + SPARSE_GEN + SHARD,
                                     True, DEBUG)
+    # what issue 40 left: MTP k=2 over PCP=2 x TP=2 in graphs against vLLM's
+    # own (the floor: vLLM's own against TP=2) and eager with the debug
+    # switch; MTP over PCP=2 (TP 1) in graphs; FP8 (TRITON_MLA) over PCP=2 x
+    # TP=2 against vLLM's own, its floor against TP=2 FP8; P/D from a
+    # PCP=2 x TP=2 prefill into a TP=2 sharded decode
+    for x, lay in (("pcp2tp2", pcp2tp2), ("pcp2", pcp2)):
+        g = lay + GEN + spec2
+        r[f"{x}-mtp2-plain"] = ("mtp", g + GRAPHS + ["--no-plugin"], True, {})
+        r[f"{x}-mtp2-shard"] = ("mtp", g + GRAPHS + SHARD, True, {})
+        r[f"{x}-mtp2-debug"] = ("mtp", g + SHARD, True, DEBUG)
+        r[f"{x}-mtp2-plain-eager"] = ("mtp", g + ["--no-plugin"], True, {})
+        r[f"{x}-mtp2-shard-eager"] = ("mtp", g + SHARD, True, {})
+        # TRITON_MLA in graphs (vLLM's own PCP with MTP on FLASH_ATTN_MLA fails
+        # in its draft prefill: FlashAttention's scheduler metadata)
+        trg = g + ["--backend", "TRITON_MLA"] + GRAPHS
+        r[f"{x}-mtp2-TR-plain"] = ("mtp", trg + ["--no-plugin"], True, {})
+        r[f"{x}-mtp2-TR-shard"] = ("mtp", trg + SHARD, True, {})
+    r["tp2-mtp2-TR-plain"] = ("mtp", tp2 + GEN + spec2 + ["--backend", "TRITON_MLA"] + GRAPHS
+                              + ["--no-plugin"], True, {})
+    r["tp2-mtp2-plain"] = ("mtp", tp2 + GEN + spec2 + GRAPHS + ["--no-plugin"], True, {})
+    r["pcp2tp2-dTR-fp8-plain"] = ("dense", pcp2tp2 + GEN + GRAPHS + tr + ["--no-plugin"],
+                                  True, {})
+    r["pcp2tp2-dTR-fp8-shard"] = ("dense", pcp2tp2 + GEN + GRAPHS + tr + SHARD, True, {})
+    r["pcp2tp2-dTR-fp8-debug"] = ("dense", pcp2tp2 + GEN + tr + SHARD, True, DEBUG)
     # FP8 with the chunked context (a 1,024-token workspace) and prefix hits
     fm8 = tp2 + ["--backend", "FLASHMLA"] + fp8 + WAVES + GRAPHS
     r["tp2-FM-fp8-prefix-plain"] = ("moe", fm8 + ["--no-plugin", "--waves", "2"], True, {})
@@ -212,6 +236,9 @@ def runs() -> dict:
                                "--decode-tp", "2", "--decode-shard"]}
     r["pd-pcp2tp2-nixl"] = ("pd", ["--prefill-tp", "2", "--prefill-pcp", "2",
                                    "--cuda-graphs"], True, {})
+    r["pd-pcp2tp2-shard2-nixl"] = ("pd", ["--prefill-tp", "2", "--prefill-pcp", "2",
+                                          "--decode-tp", "2", "--decode-shard",
+                                          "--cuda-graphs"], True, {})
     for lay, args in layouts.items():
         for tr in ("nixl", "mooncake"):
             r[f"pd-{lay}-{tr}"] = ("pd", args + ["--transport", tr, "--cuda-graphs"], True, {})
@@ -281,6 +308,18 @@ GROUPS["pcp-tp"] = ["pcp2tp2-dense-plain", "pcp2tp2-dense-shard", "pcp2tp2-dense
                     "tp2-dense8-plain", "pd-pcp2tp2-nixl", "pcp2tp2-fms-plain-eager",
                     "pcp2tp2-fms-shard-eager", "tp2-FM-fp8-prefix-plain", "tp2-FM-fp8-chunk"]
 GROUPS["pcp-tp-prefix"] = ["pcp2tp2-prefix-plain", "pcp2tp2-prefix-shard"]
+# 2026-12-04 (second session): what issue 40 left, MTP under PCP in graphs
+GROUPS["pcp-tp-more"] = [
+    "pd-pcp2tp2-shard2-nixl", "pcp2tp2-mtp2-plain-eager", "pcp2tp2-mtp2-plain",
+    "pcp2tp2-mtp2-shard", "pcp2tp2-mtp2-debug", "tp2-mtp2-plain",
+    "pcp2-mtp2-plain", "pcp2-mtp2-shard", "pcp2-mtp2-debug", "pcp2tp2-dTR-fp8-plain",
+    "pcp2tp2-dTR-fp8-shard", "pcp2tp2-dTR-fp8-debug", "tp2-dTR-fp8-plain"]
+# its second lease: MTP under PCP eager without the debug switch, vLLM's own
+# PCP eager, both on TRITON_MLA in graphs; FP8's TP=1 floor
+GROUPS["pcp-tp-more2"] = [
+    "pcp2tp2-mtp2-TR-plain", "pcp2tp2-mtp2-TR-shard", "pcp2-mtp2-TR-plain",
+    "pcp2-mtp2-TR-shard", "tp2-mtp2-TR-plain", "pcp2tp2-mtp2-shard-eager",
+    "pcp2-mtp2-plain-eager", "pcp2-mtp2-shard-eager", "tp1-dTR-fp8-plain"]
 # the second 0.34 lease: the debug runs after the dummy-run fix, the debug
 # runs of FLASHMLA and TRITON_MLA, the sparse pair, the prefix control
 GROUPS["v034-debug"] = ["tp2-FA-debug", "tp2-FM-debug", "tp2-TR-debug", "pcp2-dense-debug",
@@ -622,6 +661,16 @@ def fp8_check(out, results) -> None:
                  "pcp2-dTR-fp8-plain", agree(results, "tp2-dTR-fp8-plain", "tp1-dTR-fp8-plain"))
     if c:
         c["floor_fp8_pcp2_vs_tp1"] = agree(results, "pcp2-dTR-fp8-plain", "tp1-dTR-fp8-plain")
+    # PCP=2 x TP=2 (TRITON_MLA): against vLLM's own, within the floor of
+    # vLLM's own against TP=2 (both unsharded FP8)
+    # the floor of TP=2 against TP=1 (both unsharded FP8; vLLM's own
+    # PCP x TP parts from TP=2 early, as PCP's prefill reads through FP8)
+    c = fp8_pair(out, "pcp2tp2-dense-TRITON_MLA-fp8", results, "pcp2tp2-dTR-fp8",
+                 "pcp2tp2-dTR-fp8-plain",
+                 agree(results, "tp2-dTR-fp8-plain", "tp1-dTR-fp8-plain"), ranks=4)
+    if c:
+        c["floor_fp8_pcp2tp2_vs_tp2"] = agree(results, "pcp2tp2-dTR-fp8-plain",
+                                              "tp2-dTR-fp8-plain")
     # P/D with FP8: the decode recomputes the last prompt token over the FP8
     # cache (vLLM's P/D), where one instance's first token came from a prefill
     # attending unquantized; so P/D with an unsharded prefill is the floor the
@@ -643,16 +692,17 @@ def _ok_pd(results, name):
     return r if r and r.get("decode_tokens") else None
 
 
-def fp8_pair(out, key, results, run, base, floor) -> dict | None:
+def fp8_pair(out, key, results, run, base, floor, ranks=2) -> dict | None:
     """``run``-shard against ``base`` within ``floor``, and ``run``-debug's
     verdict (invariants held, capacity, owned writes)."""
-    c = pair(out, key, results, f"{run}-shard", base, 2, 1.95)
+    least = 1.95 * ranks / 2
+    c = pair(out, key, results, f"{run}-shard", base, ranks, least)
     if c:
         c["floor_fp8_tp2_vs_tp1"] = floor
         c["within_noise_floor"] = within_floor(c["agreement"], floor)
-        c["ok"] = c["capacity_ratio"] >= 1.95 and c["within_noise_floor"] and \
+        c["ok"] = c["capacity_ratio"] >= least and c["within_noise_floor"] and \
             c.get("owned_writes_ok", True)
-    d = pair(out, f"{key}-eager-debug", results, f"{run}-debug", base, 2, 1.95)
+    d = pair(out, f"{key}-eager-debug", results, f"{run}-debug", base, ranks, least)
     if d:
         d["ok"] = d["ok_capacity_writes_debug"]
     return c
@@ -729,12 +779,84 @@ def mtp_check(out, results) -> None:
         c["ok"] = bool(stats and all((m or 0) > 0 for m in c["multi_query_decode_steps"])
                        and p and sd.get("spec_decode_num_drafts", 0) > 0
                        and c["capacity_ratio"] >= 1.9)
+    # under PCP=2 x TP=2 and PCP=2 (TP 1), k=2: sharded against vLLM's own
+    # layout, within the floor of vLLM's own against TP=2 (both unsharded):
+    # in graphs (FLASH_ATTN_MLA, the default, and TRITON_MLA) and eager;
+    # the eager debug run's invariants
+    for lay, ranks in (("pcp2tp2", 4), ("pcp2", 2)):
+        mtp_pair(out, f"mtp2-{lay}-eager", results, f"{lay}-mtp2-shard-eager",
+                 f"{lay}-mtp2-plain-eager", "tp2-mtp2-plain", ranks)
+        # in graphs vLLM's own fails (why the plugin refuses it, row
+        # spec-pcp-graphs): the check holds while it does
+        for be, run in (("FLASH_ATTN_MLA", "mtp2"), ("TRITON_MLA", "mtp2-TR")):
+            names = [f"{lay}-{run}-{v}" for v in ("plain", "shard")]
+            if not all(n in results for n in names):
+                continue
+            own = results[names[0]]
+            errors = worker_errors(names[0])
+            drafts = (own.get("spec_decode") or {})
+            out[f"mtp2-{lay}-graphs-{be}-vllm-own-fails"] = {
+                "ok": own.get("rc") != 0 or bool(errors),
+                "rc_vllm_own": own.get("rc"), "rc_sharded": results[names[1]].get("rc"),
+                "vllm_own_worker_errors": errors, "vllm_own_spec_decode": drafts or None}
+        d = pair(out, f"mtp2-{lay}-eager-debug", results, f"{lay}-mtp2-debug",
+                 f"{lay}-mtp2-plain-eager", ranks, 1.95 * ranks / 2)
+        if d:
+            run = _ok(results, f"{lay}-mtp2-debug")
+            d["owned_writes_ok"] = mtp_rows_ok(d, run)
+            d["ok"] = (d["capacity_ratio"] >= 1.95 * ranks / 2 and d["debug_invariants_hold"]
+                       and d["owned_writes_ok"])
+            d["spec_decode"] = run.get("spec_decode")
     d = _ok(results, "tp2-FA-mtp2-debug")
     if d:
         out["mtp2-tp2-eager-debug"] = {"ok": d["debug_invariants_hold"],
                                        "spec_decode": d.get("spec_decode"),
                                        "vs_graphs": agree(results, "tp2-FA-mtp2-debug",
                                                           "tp2-FA-mtp2-shard")}
+
+
+def worker_errors(name: str) -> list[str]:
+    """The distinct error lines of a run's workers (its log)."""
+    path = os.path.join(checks.OUT_DIR[0] or "", f"{name}.log")
+    if not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as f:
+        lines = {re.sub(r"^\(.*?\) ERROR \S+ \S+ \[.*?\] ", "", x).strip() for x in f
+                 if re.search(r"(Error|error):", x) and "ERROR" in x}
+    return sorted(x for x in lines if x and not x.startswith(("File ", "Traceback")))[:4]
+
+
+def mtp_rows_ok(c, run, k: int = 2) -> bool:
+    """Rows written per rank with MTP (k drafts): the owned rows of every
+    prompt and generated token, and at most k more a request (its last
+    step's drafts, written past the tokens kept; the exact check per step
+    is the debug run's). ``pair``'s exact count does not hold with drafts."""
+    got, want = c.get("written_rows"), c.get("owned_rows_expected")
+    if not got or not want:
+        return False
+    extra = [g[0] - w if len(g) == 1 else -1 for g, w in zip(got, want)]
+    c["rows_past_the_kept_tokens"] = extra
+    return all(0 <= e <= k * len(run["prompt_lens"]) for e in extra)
+
+
+def mtp_pair(out, key, results, shard, base, tp2, ranks) -> None:
+    """MTP: ``shard`` against vLLM's own ``base`` within the floor of
+    ``base`` against ``tp2``; verification rows through the shard-aware
+    decode, drafts made, vLLM's spec-decode counters side by side."""
+    c = pair(out, key, results, shard, base, ranks, 1.95 * ranks / 2)
+    if not c:
+        return
+    s, p = _ok(results, shard), _ok(results, base)
+    stats = [x for x in s.get("stats") or [] if x]
+    floor = agree(results, base, tp2)
+    c.update(floor_vs_tp2=floor, within_noise_floor=within_floor(c["agreement"], floor),
+             spec_decode_sharded=s.get("spec_decode"), spec_decode_unsharded=p.get("spec_decode"),
+             multi_query_decode_steps=[x.get("multi_query_decode_steps") for x in stats])
+    c["owned_writes_ok"] = mtp_rows_ok(c, s)
+    c["ok"] = (c["capacity_ratio"] >= 1.95 * ranks / 2 and c["owned_writes_ok"]
+               and c["within_noise_floor"] and bool(stats)
+               and all((m or 0) > 0 for m in c["multi_query_decode_steps"])
+               and (s.get("spec_decode") or {}).get("spec_decode_num_drafts", 0) > 0)
 
 
 def timing_check(out, results) -> None:

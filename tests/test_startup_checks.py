@@ -188,28 +188,34 @@ def test_row_sparse_graphs(dsv32_model, monkeypatch):
 
 
 def test_row_spec_pcp_graphs(tiny_dsv2, monkeypatch):
+    """Speculation under PCP (TP 1, or PCP x TP on vLLM 0.34, the release
+    read as 0.34 here) needs --enforce-eager: vLLM 0.34's own PCP fails with
+    MTP in CUDA graphs. Eager under PCP and PCP x TP, and graphs over TP,
+    are admitted."""
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_cp_kv.integration.checks import check_engine_args
     from vllm_cp_kv.integration.options import CPKVOptions
 
     monkeypatch.setattr(checks_module(), "_on_gpu", lambda: True)
+    monkeypatch.setattr(checks_module(), "_before_034", lambda release: None)
     mtp = {"method": "mtp", "num_speculative_tokens": 1}
-    args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=1, enforce_eager=False,
-                      prefill_context_parallel_size=2, speculative_config=mtp)
-    with pytest.raises(ValueError) as info:
-        check_engine_args(args, CPKVOptions(enable=True))
-    assert any(m in str(info.value) for m in DOC["spec-pcp-graphs"])
-    for eager, tp, pcp in ((True, 1, 2), (False, 2, 1)):  # eager PCP, or graphs over TP
+    for tp in (1, 2):
+        args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=tp, enforce_eager=False,
+                          prefill_context_parallel_size=2, speculative_config=mtp)
+        with pytest.raises(ValueError) as info:
+            check_engine_args(args, CPKVOptions(enable=True))
+        assert any(m in str(info.value) for m in DOC["spec-pcp-graphs"])
+    for eager, tp, pcp in ((True, 1, 2), (True, 2, 2), (False, 2, 1)):
         args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=tp, enforce_eager=eager,
                           prefill_context_parallel_size=pcp, speculative_config=mtp)
         check_engine_args(args, CPKVOptions(enable=True))
+        assert args.decode_context_parallel_size == tp * pcp
 
 
-def test_row_spec_pcp_tp(tiny_dsv2, monkeypatch):
+def test_pcp_and_tp_admitted_on_vllm_034(tiny_dsv2, monkeypatch):
     """On vLLM 0.34 (the release read as 0.34 here) PCP x TP is admitted
-    with DCP = PCP x TP, eager and in graphs; with speculation refused (not
-    run over both)."""
+    with DCP = PCP x TP, eager and in graphs."""
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_cp_kv.integration.checks import check_engine_args
@@ -222,12 +228,6 @@ def test_row_spec_pcp_tp(tiny_dsv2, monkeypatch):
                           prefill_context_parallel_size=2)
         check_engine_args(args, CPKVOptions(enable=True))
         assert args.decode_context_parallel_size == 4
-    args = EngineArgs(model=tiny_dsv2, tensor_parallel_size=2, enforce_eager=True,
-                      prefill_context_parallel_size=2,
-                      speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    with pytest.raises(ValueError) as info:
-        check_engine_args(args, CPKVOptions(enable=True))
-    assert any(m in str(info.value) for m in DOC["spec-pcp-tp"])
 
 
 def test_materializing_builders_decline_full_graphs(tiny_dsv2):
@@ -471,12 +471,6 @@ def test_row_fp8_pcp():
             assert any(m in str(info.value) for m in DOC["fp8-pcp"])
             assert "TRITON_MLA" in str(info.value)
     assert PCP_FP8_BACKENDS == ("TRITON_MLA",)
-    # PCP x TP with FP8: not run, refused on every backend; TP alone admitted
-    for name in ("FLASHMLA", "TRITON_MLA"):
-        with pytest.raises(CPKVConfigError) as info:
-            check_fp8_backend(name, "fp8", sparse=False, pcp=2, tp=2)
-        assert any(m in str(info.value) for m in DOC["fp8-pcp"])
-        check_fp8_backend(name, "fp8", sparse=False, pcp=1, tp=4)
     check_kv_cache_dtype("fp8_ds_mla", sparse=True, release=(0, 32))  # V3.2's
     check_kv_cache_dtype("auto", sparse=False, release=(0, 32))
     check_fp8_backend("FLASHMLA_SPARSE", "fp8_ds_mla", sparse=True, pcp=2)

@@ -123,14 +123,11 @@ def check_engine_args(args, options: CPKVOptions) -> None:
         check_speculative(args.speculative_config)
         if _on_gpu() and not args.enforce_eager and pcp > 1:
             raise CPKVConfigError(
-                "cp_kv: speculative decoding under PCP with CUDA graphs has not been "
-                "verified with sharded KV (over TP it has); add --enforce-eager, or "
-                "remove --speculative-config.")
-        if pcp > 1 and tp > 1:
-            raise CPKVConfigError(
-                "cp_kv: speculative decoding with sharding over PCP x TP has not been "
-                "verified (over TP, and over PCP with TP 1, it has); remove "
-                "--speculative-config, or shard over one of the two.")
+                "cp_kv: speculative decoding under PCP needs --enforce-eager: vLLM 0.34's "
+                "own PCP fails with MTP in CUDA graphs (its draft prefill: a CUDA error "
+                "capturing it on TRITON_MLA, FlashAttention's scheduler metadata on "
+                "FLASH_ATTN_MLA), sharded or not; add --enforce-eager, or remove "
+                "--speculative-config.")
     check_hisparse(args.attention_config)
     # Before vLLM's own DCP validation, which would reject a non-MLA model
     # with a message that does not mention cp_kv.
@@ -249,20 +246,13 @@ def check_kv_cache_dtype(kv_cache_dtype: str, sparse: bool,
 PCP_FP8_BACKENDS = ("TRITON_MLA",)
 
 
-def check_fp8_backend(name: str, kv_cache_dtype: str, sparse: bool, pcp: int,
-                      tp: int = 1) -> None:
+def check_fp8_backend(name: str, kv_cache_dtype: str, sparse: bool, pcp: int) -> None:
     """Checked when the workers choose the backend: FP8 with sharding over
-    PCP only on :data:`PCP_FP8_BACKENDS`, with TP 1. FLASHMLA is not
+    PCP (TP 1 or more) only on :data:`PCP_FP8_BACKENDS`. FLASHMLA is not
     verified there: vLLM 0.34's own PCP with an FP8 FLASHMLA cache dies in
     its decode metadata (``get_mla_metadata_dense_fp8``: a floating-point
     exception), so the sharded run has no unsharded reference of its
-    layout; PCP x TP with FP8 has not run."""
-    if pcp > 1 and tp > 1 and is_dense_fp8(kv_cache_dtype, sparse):
-        raise CPKVConfigError(
-            f"cp_kv: an FP8 KV cache (--kv-cache-dtype {kv_cache_dtype}) with sharding "
-            "over PCP x TP has not been verified (over TP, and over PCP with TP 1 on "
-            "TRITON_MLA, it has; docs/fp8.md); shard over one of the two, or use "
-            "--kv-cache-dtype auto.")
+    layout."""
     if pcp > 1 and is_dense_fp8(kv_cache_dtype, sparse) and name not in PCP_FP8_BACKENDS:
         raise CPKVConfigError(
             f"cp_kv: an FP8 KV cache (--kv-cache-dtype {kv_cache_dtype}) with sharding "

@@ -201,8 +201,7 @@ def _patch_backend_selector() -> None:
             check_sparse_backend(cls.get_name())
         check_fp8_backend(cls.get_name(), str(vllm_config.cache_config.cache_dtype),
                           attn_selector_config.use_sparse,
-                          vllm_config.parallel_config.prefill_context_parallel_size,
-                          vllm_config.parallel_config.tensor_parallel_size)
+                          vllm_config.parallel_config.prefill_context_parallel_size)
         check_decode_backend(cls, current_platform.is_cuda_alike(),
                              lse_decode_enabled(vllm_config, attn_selector_config.use_sparse))
         return sharded_backend(cls)
