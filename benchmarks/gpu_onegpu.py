@@ -204,6 +204,18 @@ def runs() -> dict:
                                   True, {})
     r["pcp2tp2-dTR-fp8-shard"] = ("dense", pcp2tp2 + GEN + GRAPHS + tr + SHARD, True, {})
     r["pcp2tp2-dTR-fp8-debug"] = ("dense", pcp2tp2 + GEN + tr + SHARD, True, DEBUG)
+    # the chunked context under PCP and PCP x TP (a 1,024-token workspace:
+    # wave 2's hits read chunk by chunk, the global requests' chunks), rank
+    # 1's 21st block corrupted before wave 3; eager with the debug switch
+    for x, lay in (("pcp2", pcp2), ("pcp2tp2", pcp2tp2)):
+        ws = ["--cp-kv", '{"workspace_tokens": 1024}']
+        r[f"{x}-chunk"] = ("dense8", lay + WAVES + GRAPHS + [
+            "--shard", "--waves", "3", "--poison", "--corrupt-between-waves",
+            "--corrupt-index", "20", "--stats"] + ws, True, {})
+        r[f"{x}-chunk-debug"] = ("dense8", lay + WAVES + [
+            "--shard", "--waves", "2", "--poison", "--stats"] + ws, True, DEBUG)
+    r["pcp2-prefix-plain"] = ("dense8", pcp2 + WAVES + GRAPHS + [
+        "--no-plugin", "--waves", "2"], True, {})
     # FP8 with the chunked context (a 1,024-token workspace) and prefix hits
     fm8 = tp2 + ["--backend", "FLASHMLA"] + fp8 + WAVES + GRAPHS
     r["tp2-FM-fp8-prefix-plain"] = ("moe", fm8 + ["--no-plugin", "--waves", "2"], True, {})
@@ -314,6 +326,11 @@ GROUPS["pcp-tp-more"] = [
     "pcp2tp2-mtp2-shard", "pcp2tp2-mtp2-debug", "tp2-mtp2-plain",
     "pcp2-mtp2-plain", "pcp2-mtp2-shard", "pcp2-mtp2-debug", "pcp2tp2-dTR-fp8-plain",
     "pcp2tp2-dTR-fp8-shard", "pcp2tp2-dTR-fp8-debug", "tp2-dTR-fp8-plain"]
+# the chunked context under PCP and PCP x TP; the default (one chunk) again
+GROUPS["pcp-chunk"] = [
+    "pcp2tp2-chunk", "pcp2tp2-prefix-plain", "pcp2-chunk", "pcp2-prefix-plain",
+    "pcp2tp2-chunk-debug", "pcp2-chunk-debug", "pcp2tp2-dense-shard", "pcp2tp2-dense-plain",
+    "tp2-dense8-plain"]
 # its second lease: MTP under PCP eager without the debug switch, vLLM's own
 # PCP eager, both on TRITON_MLA in graphs; FP8's TP=1 floor
 GROUPS["pcp-tp-more2"] = [
@@ -734,23 +751,33 @@ def chunk_check(out, results) -> None:
     chunked = _ok(results, "tp2-FA-chunk")
     for name, base in (("tp2-FA-chunk", "tp2-prefix-plain"),
                        ("tp2-FA-chunk-prefetch", "tp2-prefix-plain"),
-                       ("tp2-FM-fp8-chunk", "tp2-FM-fp8-prefix-plain")):  # FP8 (issue 39)
+                       ("tp2-FM-fp8-chunk", "tp2-FM-fp8-prefix-plain"),  # FP8 (issue 39)
+                       ("pcp2-chunk", "pcp2-prefix-plain"),  # PCP and PCP x TP
+                       ("pcp2tp2-chunk", "pcp2tp2-prefix-plain"),
+                       ("pcp2-chunk-debug", "pcp2-prefix-plain"),
+                       ("pcp2tp2-chunk-debug", "pcp2tp2-prefix-plain")):
         run, plain = _ok(results, name), _ok(results, base)
         if not run:
             continue
         stats = [x for x in run["waves"][1]["stats"] if x]
         hits = [w.get("prefix_cache_hits") for w in run["waves"]]
+        ranks = 4 if name.startswith("pcp2tp2") else 2
+        debug = name.endswith("-debug")  # two waves, no corruption: the invariants
         c = out[f"chunk-{name}"] = {
             "chunks_wave2": [x["max_context_chunks"] for x in stats],
             "chunked_steps_wave2": [x["chunked_context_steps"] for x in stats],
             "hits": hits,
-            "corruption_changed_wave3": run["waves"][2]["tokens"] != run["waves"][1]["tokens"]}
+            "corruption_changed_wave3": None if debug else
+            run["waves"][2]["tokens"] != run["waves"][1]["tokens"]}
         if plain:
             c["agreement_vs_unsharded"] = [
                 agreement(x["tokens"], x["logprobs"], y["tokens"], y["logprobs"])
                 for x, y in zip(run["waves"][:2], plain["waves"][:2])]
-        c["ok"] = (len(stats) == 2 and min(c["chunks_wave2"]) > 1 and hits[1] > 0
-                   and c["corruption_changed_wave3"])
+        c["ok"] = (len(stats) == ranks and min(c["chunks_wave2"]) > 1 and hits[1] > 0
+                   and (c["corruption_changed_wave3"] or debug))
+        if debug:
+            c["debug_invariants_hold"] = run.get("debug_invariants_hold")
+            c["ok"] = c["ok"] and bool(run.get("debug_invariants_hold"))
         if "prefetch" in name and chunked:  # the same gathers, ahead: the same tokens
             c["same_tokens_as_without_prefetch"] = [
                 x["tokens"] == y["tokens"] for x, y in zip(run["waves"], chunked["waves"])]

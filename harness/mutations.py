@@ -91,6 +91,14 @@ MUTATIONS = [
      "        if _on_gpu() and not args.enforce_eager and pcp > 1:",
      "        if _on_gpu() and not args.enforce_eager and pcp > 1 and tp == 1:",
      "tests/test_startup_checks.py::test_row_spec_pcp_graphs"),
+    # the chunked context under PCP: a row's part of a chunk capped by its
+    # own context; the chunk tables as wide on every rank
+    ("vllm_cp_kv/core/plan.py", "    tokens = torch.minimum((row_context.long() - start).clamp(min=0),",
+     "    tokens = torch.minimum((row_context.long() * 0 + 10**9),",
+     "tests/test_plan_pcp.py tests/test_chunks.py"),
+    ("vllm_cp_kv/integration/planning.py",
+     "        columns = max(columns, -(-int(step.seq_lens.max(initial=0)) // bs))",
+     "        columns = columns", "tests/test_plan_pcp.py"),
 ]
 
 # the suite's share: a decode buffer rewritten in place, the PCP mask's

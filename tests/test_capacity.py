@@ -130,13 +130,16 @@ def test_fp8_capacity_at_deepseek_v3_shapes(tmp_path, n, goal):
 
 def test_pcp_by_tp_shards_over_all_ranks(tmp_path):
     """``--pcp P --tp T``: one shard group of P x T ranks (issue 40), with the
-    whole view as its scratch (PCP reads the whole view, as a materializing
-    decode does); it needs vLLM 0.34 (row pcp-and-tp)."""
+    chunked context's workspace as its scratch (as TP = P x T has; a
+    materializing decode reads the whole view); it needs vLLM 0.34 (row
+    pcp-and-tp)."""
     both = capacity_json(tmp_path, "--pcp", "2", "--tp", "2")
+    tp4 = capacity_json(tmp_path, "--tp", "4")
     whole4 = capacity_json(tmp_path, "--tp", "4", "--decode", "materialize")
     assert both["shard_size"] == 4 and both["min_vllm"] == "0.34"
     assert {k: both[k] for k in ("sharded", "unsharded", "scratch_blocks")} == \
-        {k: whole4[k] for k in ("sharded", "unsharded", "scratch_blocks")}
+        {k: tp4[k] for k in ("sharded", "unsharded", "scratch_blocks")}
+    assert both["scratch_blocks"] < whole4["scratch_blocks"]
     alone = capacity_json(tmp_path, "--pcp", "2", "--tp", "1")
     assert alone["shard_size"] == 2 and alone["min_vllm"] == "0.32"
     # a dense FP8 cache is sharded on vLLM 0.34 only (row fp8-pcp)

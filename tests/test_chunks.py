@@ -107,3 +107,76 @@ def test_debug_check_covers_chunks():
     shifted = type(chunks[1])(torch.zeros_like(first), tokens, plan)
     with pytest.raises(debug.CPKVInvariantError):
         debug.check_chunks_cover([chunks[0], shifted] + chunks[2:], table, lens)
+
+
+def read_rows_by_chunks(n, table, lens, caches, capacity, row_keys, keys, row_context,
+                        local=None):
+    """PCP: the chunks are planned over the global requests (every rank
+    the same); each local row (several may belong to one request, each with
+    its own context) reads its part of each chunk (``rows_of_chunk``)."""
+    from vllm_cp_kv.core.plan import global_rows, rows_of_chunk
+
+    global_table, rows = global_rows(table, row_keys, keys)
+    rows = rows if local is None else local
+    chunks = plan_context_chunks(spec(n), global_table, lens, capacity)
+    got = [[] for _ in row_keys]
+    for c in chunks:
+        scratch = torch.cat([pack(c.plan, r, cache) for r, cache in enumerate(caches)])
+        tokens, chunk_table = rows_of_chunk(c, rows, row_context)
+        for i in range(len(row_keys)):
+            t = int(tokens[i])
+            if t:
+                assert int(c.first_blocks[rows[i]]) * BS == sum(v.shape[0] for v in got[i])
+                blocks = chunk_table[i, : -(-t // BS)].long()
+                got[i].append(scratch[blocks].reshape(-1, scratch.shape[-1])[:t])
+    return [torch.cat(g) if g else caches[0][0, :0] for g in got]
+
+
+def pcp_rows(rnd, lens):
+    """A rank's local rows: 1 or 2 rows a request (PCP's head and tail
+    pieces), in shuffled order, each with a context up to its request's
+    read length; the global keys in another order."""
+    keys = list(range(100, 100 + len(lens)))
+    row_keys, context = [], []
+    for k, n in zip(keys, lens):
+        for _ in range(rnd.choice([1, 2])):
+            row_keys.append(k)
+            context.append(rnd.randint(0, n))
+    order = list(range(len(row_keys)))
+    rnd.shuffle(order)
+    return [row_keys[i] for i in order], [context[i] for i in order], keys
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pcp_rows_read_their_context_from_the_global_chunks(seed):
+    """Under PCP every row reads, over the global chunks in order, exactly
+    its own context (its request's tokens 0 .. its context length), as the
+    reference reads it from where vLLM stored it."""
+    rnd = random.Random(seed)
+    n = rnd.choice([2, 4, 8])
+    lens = [rnd.choice([1, 17, 100, 333, 700]) for _ in range(rnd.randint(1, 5))]
+    capacity = rnd.choice([n, 2 * n, 3 * n + 1, 40, 1000])
+    table, lens_t, caches = make_batch(n, lens, seed=seed, num_blocks=400)
+    row_keys, context, keys = pcp_rows(rnd, lens)
+    # this rank's table: each local row holds its request's block table
+    local_table = table[[keys.index(k) for k in row_keys]]
+    ref = full_view(table, lens_t, caches, BS, n)
+    got = read_rows_by_chunks(n, local_table, lens_t, caches, capacity, row_keys, keys,
+                              torch.tensor(context))
+    for i, (k, c) in enumerate(zip(row_keys, context)):
+        assert torch.equal(got[i], ref[keys.index(k)][:c]), (i, k, c)
+
+
+def test_negative_control_pcp_rows_mapped_to_the_wrong_request():
+    """The check above can fail: rows mapped to their neighbour's request
+    read other tokens."""
+    n, lens = 2, [300, 500, 200]
+    table, lens_t, caches = make_batch(n, lens, seed=7, num_blocks=400)
+    row_keys, context, keys = [101, 100, 102, 101], [250, 120, 150, 40], [100, 101, 102]
+    local_table = table[[keys.index(k) for k in row_keys]]
+    ref = full_view(table, lens_t, caches, BS, n)
+    wrong = torch.tensor([(keys.index(k) + 1) % 3 for k in row_keys])
+    got = read_rows_by_chunks(n, local_table, lens_t, caches, 2 * n, row_keys, keys,
+                              torch.tensor(context), local=wrong)
+    assert any(not torch.equal(g, ref[keys.index(k)][:c])
+               for g, k, c in zip(got, row_keys, context))

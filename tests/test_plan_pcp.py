@@ -13,7 +13,8 @@ from builders import BS, make_batch, spec
 from conftest import needs_vllm
 from vllm_cp_kv.core import debug
 from harness.reference import full_view, tokens_of
-from vllm_cp_kv.core.plan import plan_split_requests
+from vllm_cp_kv.core.plan import (global_rows, plan_context_chunks, plan_split_requests,
+                                  rows_of_chunk)
 
 pytestmark = needs_vllm
 
@@ -47,16 +48,24 @@ def manager(n, rank, dcp):
                       shard_decode_requests=dcp == 1, dcp_world_size=dcp)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_every_rank_derives_the_same_plan(n, name):
+def scenario(n, name):
+    """A scenario's batch: its arrays, every request's length this step, the
+    request-state indices, the state-indexed block table, the ranks' caches
+    and the reference view of every request."""
     sched, computed, prefilling = (np.array(x) for x in SCENARIOS[name])
     total = computed + sched
     table, _, caches = make_batch(n, total.tolist(), seed=n, num_blocks=256)
     keys = np.array([7, 3, 11, 0, 5])[: len(sched)]  # request-state indices
     state_table = torch.zeros(16, table.shape[1], dtype=table.dtype)
     state_table[torch.as_tensor(keys)] = table
-    ref = full_view(table, total, caches, BS, n)
+    return (sched, computed, prefilling), total, keys, state_table, caches, \
+        full_view(table, total, caches, BS, n)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_every_rank_derives_the_same_plan(n, name):
+    (sched, computed, prefilling), total, keys, state_table, caches, ref = scenario(n, name)
     plans = []
     for rank in range(n):
         rows = local_rows(manager(n, rank, dcp=n), rank, sched, computed, prefilling)
@@ -73,6 +82,72 @@ def test_every_rank_derives_the_same_plan(n, name):
     for plan in plans[1:]:
         assert torch.equal(plan.send_block_ids, plans[0].send_block_ids)
         assert torch.equal(plan.full_block_table, plans[0].full_block_table)
+
+
+@pytest.mark.parametrize("capacity_per_rank", [1, 3, 7])
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_chunked_context_under_pcp(n, name, capacity_per_rank):
+    """The chunked context under PCP: the chunks are the global requests'
+    (identical on every rank, each gather a collective); each of vLLM's rows
+    on each rank reads, chunk after chunk, exactly its own context."""
+    (sched, computed, prefilling), total, keys, state_table, caches, ref = scenario(n, name)
+    per_rank = []
+    for rank in range(n):
+        rows = local_rows(manager(n, rank, dcp=n), rank, sched, computed, prefilling)
+        row_keys = keys[[g for g, _ in rows]]
+        global_table, local = global_rows(state_table[row_keys], row_keys, keys)
+        chunks = plan_context_chunks(spec(n, rank), global_table, torch.as_tensor(total),
+                                     capacity_per_rank * n)
+        debug.check_chunks_cover(chunks, global_table, torch.as_tensor(total))
+        context = torch.tensor([reads for _, reads in rows])
+        got = [[] for _ in rows]
+        for c in chunks:
+            scratch = torch.cat([caches[r][c.plan.send_block_ids[r]] for r in range(n)])
+            tokens, chunk_table = rows_of_chunk(c, local, context)
+            for i, t in enumerate(tokens.tolist()):
+                if t:
+                    got[i].append(tokens_of(scratch[chunk_table[i, : -(-t // BS)].long()], t))
+        for (g, reads), parts in zip(rows, got):
+            row = torch.cat(parts) if parts else ref[g][:0]
+            assert torch.equal(row, ref[g][:reads]), (name, rank, g, reads)
+        per_rank.append(chunks)
+    for chunks in per_rank[1:]:
+        assert len(chunks) == len(per_rank[0])
+        for a, b in zip(chunks, per_rank[0]):
+            assert torch.equal(a.plan.send_block_ids, b.plan.send_block_ids)
+            assert torch.equal(a.num_tokens, b.num_tokens)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_the_builders_pcp_chunks_are_the_same_on_every_rank(name):
+    """``planning._plan_pcp`` with chunks: each rank passes its own rows and
+    its own minimum width (its longest row, a local figure under PCP), yet
+    every chunk's plan, full-view table included, is the same on every rank
+    (the debug switch's identical-plan check compares all of it)."""
+    from types import SimpleNamespace
+
+    from vllm_cp_kv.integration.planning import PCPStep, _plan_pcp
+
+    n = 4
+    (sched, computed, prefilling), total, keys, state_table, _, _ = scenario(n, name)
+    per_rank = []
+    for rank in range(n):
+        rows = local_rows(manager(n, rank, dcp=n), rank, sched, computed, prefilling)
+        row_keys = keys[[g for g, _ in rows]]
+        step = PCPStep(keys=keys, seq_lens=total, is_prefill=prefilling, row_keys=row_keys)
+        runtime = SimpleNamespace(spec=spec(n, rank), debug=False,
+                                  pool=SimpleNamespace(capacity_blocks=2 * n))
+        local_columns = max(-(-(reads + 1) // BS) for _, reads in rows)
+        _, full, _, chunks, local = _plan_pcp(runtime, step, state_table[row_keys],
+                                              len(rows), True, local_columns, True)
+        assert full.shape[0] == len(rows) and local.shape[0] == len(rows)
+        per_rank.append(chunks)
+    for chunks in per_rank[1:]:
+        assert len(chunks) == len(per_rank[0])
+        for a, b in zip(chunks, per_rank[0]):
+            assert torch.equal(a.plan.full_block_table, b.plan.full_block_table)
+            assert torch.equal(a.plan.send_block_ids, b.plan.send_block_ids)
 
 
 def test_a_rank_without_a_request_is_refused():

@@ -63,7 +63,7 @@ def scratch_blocks_bound(*, available_bytes: int, page_bytes: int,
     ``chunked`` (dense MLA with the shard-aware decode on backends whose
     prefill merges context chunks by LSE): the workspace
     (:func:`workspace_blocks`), which does not grow with the cache; else
-    (sparse models, ``decode: materialize``, PCP, AMX_MLA) the whole view
+    (sparse models, ``decode: materialize``, AMX_MLA) the whole view
     (:func:`whole_view_blocks`). Never more than the whole view, nor than
     ``cap_blocks`` (0 = no cap).
 

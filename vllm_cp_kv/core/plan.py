@@ -294,6 +294,17 @@ def plan_split_requests(spec: CPShardSpec, block_table: torch.Tensor,
         ValueError: a global request has no local row (its block table
             would be unknown here).
     """
+    table, local = global_rows(block_table, row_keys, keys)
+    plan = plan_materialization(spec, table, seq_lens, min_columns=min_columns)
+    return plan, plan.full_block_table[to_device(local, plan.full_block_table.device)], table
+
+
+def global_rows(block_table: torch.Tensor, row_keys, keys
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PCP's global requests from a rank's local rows (:func:`plan_split_requests`):
+    ``(table, local)``, the ``[G, C]`` block table of the global requests
+    (each from its first local row) and ``local`` ``[R_local]`` (host), the
+    global request of each local row."""
     row_keys = [int(k) for k in row_keys]
     keys = [int(k) for k in keys]
     first = {}
@@ -308,9 +319,26 @@ def plan_split_requests(spec: CPShardSpec, block_table: torch.Tensor,
     unknown = [k for k in row_keys if k not in position]
     if unknown:
         raise ValueError(f"local rows of requests {unknown} are not in the global batch.")
-    device = block_table.device
-    rows = to_device(torch.tensor([first[k] for k in keys]), device)
-    local = to_device(torch.tensor([position[k] for k in row_keys]), device)
-    table = block_table[rows]
-    plan = plan_materialization(spec, table, seq_lens, min_columns=min_columns)
-    return plan, plan.full_block_table[local], table
+    rows = to_device(torch.tensor([first[k] for k in keys], dtype=torch.long),
+                     block_table.device)
+    return block_table[rows], torch.tensor([position[k] for k in row_keys], dtype=torch.long)
+
+
+def rows_of_chunk(chunk: ContextChunk, local: torch.Tensor, row_context: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under PCP the chunks are the global requests' (identical on every
+    rank), and a rank's rows read parts of them: each local row reads, from
+    its request's range of the chunk, the tokens below its own context
+    length (``row_context``, host; a row runs one piece of its request, so
+    contexts differ between a request's rows and ranks).
+
+    Returns ``(tokens, table)``: ``[R_local]`` tokens each row reads from
+    the chunk's first token of its request on (0: none), and the
+    ``[R_local, W]`` chunk table of each row's request (column 0 = that
+    first block).
+    """
+    start = chunk.first_blocks[local] * chunk.plan.spec.block_size
+    tokens = torch.minimum((row_context.long() - start).clamp(min=0),
+                           chunk.num_tokens[local])
+    table = chunk.plan.full_block_table
+    return tokens, table[to_device(local, table.device)]

@@ -37,7 +37,8 @@ from . import decode, vllm_api
 from .geometry import group_size_of
 from .options import debug_enabled, options_of
 from ..core.decode import merge_two_by_lse
-from .planning import plan_batch, split_rows, translated
+from ..core.plan import rows_of_chunk
+from .planning import plan_batch, read_lens, split_rows, translated
 from .runtime import required_runtime
 
 # Backends whose decode metadata is all ``_build_decode`` makes, so that the
@@ -84,12 +85,11 @@ def decode_kernel_ranks(vllm_config, sparse: bool) -> int:
 
 def chunked_context_enabled(vllm_config, backend_name: str, sparse: bool) -> bool:
     """Prefill rows may read their cached context in scratch-sized chunks:
-    dense MLA with the shard-aware decode (decode rows read no view), a
-    backend of :data:`CHUNKED_CONTEXT_BACKENDS`, no PCP (whose prefill rows
-    read this step's tokens of every rank through the view too)."""
+    dense MLA with the shard-aware decode (decode rows read no view) and a
+    backend of :data:`CHUNKED_CONTEXT_BACKENDS`; under PCP too (the chunks
+    are the global requests', each rank's rows read their parts)."""
     return (lse_decode_enabled(vllm_config, sparse)
-            and backend_name in CHUNKED_CONTEXT_BACKENDS
-            and vllm_config.parallel_config.prefill_context_parallel_size == 1)
+            and backend_name in CHUNKED_CONTEXT_BACKENDS)
 
 
 class ShardedBuilder:
@@ -191,10 +191,16 @@ class ShardedBuilder:
 
         start = made.num_decodes
         qsl = common.query_start_loc_cpu[start: common.num_reqs + 1]
+        if made.chunk_rows is not None:  # PCP: the rows' contexts within the global chunks
+            context_lens = read_lens(common, made.num_decodes, whole=False, lse_decode=True)
         parts = []
         for chunk in made.chunks:
+            if made.chunk_rows is None:
+                tokens, table = chunk.num_tokens, chunk.plan.full_block_table
+            else:
+                tokens, table = rows_of_chunk(chunk, made.chunk_rows, context_lens)
             context = build_mla_chunked_context_metadata(
-                context_lens_cpu=chunk.num_tokens[start: common.num_reqs].to(torch.int32),
+                context_lens_cpu=tokens[start: common.num_reqs].to(torch.int32),
                 prefill_query_start_loc_cpu=qsl - qsl[0],
                 chunked_prefill_workspace=self.chunked_prefill_workspace,
                 chunked_prefill_workspace_size=self.chunked_prefill_workspace_size,
@@ -205,7 +211,7 @@ class ShardedBuilder:
             if context is None:
                 parts.append(None)
                 continue
-            table = chunk.plan.full_block_table[start: common.num_reqs].to(self.device)
+            table = table[start: common.num_reqs].to(self.device)
             part = dataclasses.replace(prefill, block_table=table, chunked_context=context,
                                        prefill_backend=prefill.prefill_backend.clone())
             part.prefill_backend.prepare_metadata(part)
@@ -282,6 +288,12 @@ class ShardedImpl:
         made = attn_metadata.cp_kv
         if made.reads and not made.chunked:  # one gather: the whole context
             kv_c_and_k_pe_cache = self._full_view(kv_c_and_k_pe_cache, made)
+        elif made.chunked and attn_metadata.prefill.chunked_context is None:
+            # no row of this rank has a context, so vLLM skips the context
+            # loop here; under PCP other ranks' rows may: join each chunk's
+            # gather (a collective) all the same
+            for k in range(len(made.chunks)):
+                self._full_view(kv_c_and_k_pe_cache, made, chunk=k)
         return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache,
                                    attn_metadata, k_scale, output, output_scale)
 
@@ -297,9 +309,11 @@ class ShardedImpl:
                                                     attn_metadata, k_scale)
         out = lse = None
         for k, part in enumerate(made.vllm_chunks):
-            if part is None:  # no prefill row reads this chunk (on every rank)
-                continue
+            # every rank gathers every chunk (a collective), also one its own
+            # rows do not read (under PCP other ranks' rows may)
             view = self._full_view(kv_c_and_k_pe_cache, made, chunk=k)
+            if part is None:  # no prefill row of this rank reads this chunk
+                continue
             chunk_metadata = copy.copy(attn_metadata)
             chunk_metadata.prefill = part
             o, l = super()._compute_prefill_context(q, view, chunk_metadata, k_scale)

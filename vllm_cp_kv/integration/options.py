@@ -40,8 +40,8 @@ class CPKVOptions:
     decode: str = "lse"
     # Tokens of one layer that prefill rows read their cached context
     # through, chunk by chunk (each chunk gathered, attended to, merged by
-    # LSE); 0 = 1% of the KV budget. Sparse models, decode "materialize",
-    # PCP and AMX_MLA read the whole view at once (docs/design.md).
+    # LSE); 0 = 1% of the KV budget. Sparse models, decode "materialize"
+    # and AMX_MLA read the whole view at once (docs/design.md).
     workspace_tokens: int = 0
     # GPU: gather layer l + 1's full view on a side stream while layer l
     # computes (prefill materialization); reserves a second scratch buffer.

@@ -14,7 +14,9 @@ per step and shared by every builder and layer of the batch.
   (``backend.ShardedImpl._compute_prefill_context``).
 * Under PCP the ranks run different chunks of each prefill but the gather
   is a collective, so the plan is made from the global batch the PCP
-  manager recorded (:class:`PCPStep`, ``core.plan.plan_split_requests``).
+  manager recorded (:class:`PCPStep`, ``core.plan.plan_split_requests``);
+  its chunks are the global requests', and each rank's rows read their
+  parts of them (``core.plan.rows_of_chunk``).
 * The step's :class:`BatchContext` (opened by ``ShardRuntime.step``) holds
   the plans; a :class:`BatchPlan` rides on the attention metadata
   (``metadata.cp_kv``) to the layers.
@@ -42,7 +44,7 @@ from ..core import debug as core_debug
 from ..core.decode import query_token_lens
 from ..core.materialize import LayerPrefetcher
 from ..core.ownership import CPShardSpec
-from ..core.plan import (ContextChunk, MaterializationPlan, plan_context_chunks,
+from ..core.plan import (ContextChunk, MaterializationPlan, global_rows, plan_context_chunks,
                          plan_materialization, plan_split_requests)
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
@@ -218,6 +220,9 @@ class BatchPlan:
     # several chunks: each chunk's prefill metadata for vLLM's context loop (its block
     # table and chunked-context metadata; None: no prefill row reads the chunk)
     vllm_chunks: list | None = None
+    # PCP with chunks: the global request of each local row (host; the chunks
+    # are the global batch's, core.plan.rows_of_chunk)
+    chunk_rows: torch.Tensor | None = None
     views: dict = field(default_factory=dict)  # (layer name, chunk) -> full view
     decode_builder: Any = None  # debug: the (vLLM) builder whose kernel reads a view
     prefetcher: LayerPrefetcher | None = None  # this batch's (GPU, cp_kv.prefetch)
@@ -304,10 +309,11 @@ def plan_batch(runtime, common, num_decodes: int, *, whole: bool, lse_decode: bo
     # Kernels size their index from each request's full length.
     columns = -(-common.max_seq_len // spec.block_size)
     batch.has_prefill |= num_decodes < common.num_reqs
-    chunks = None
+    chunks = rows = None
     if batch.pcp_step is not None:
-        plan, full, lens = _plan_pcp(runtime, batch.pcp_step, table, common.num_reqs,
-                                     lse_decode, columns)
+        plan, full, lens, chunks, rows = _plan_pcp(
+            runtime, batch.pcp_step, table, common.num_reqs, lse_decode, columns,
+            chunked and runtime.pool is not None)
     else:
         lens = read_lens(common, num_decodes, whole, lse_decode)
         if chunked and runtime.pool is not None:
@@ -332,7 +338,7 @@ def plan_batch(runtime, common, num_decodes: int, *, whole: bool, lse_decode: bo
     made = BatchPlan(runtime=runtime, batch=batch,
                      plan=plan if reads and not several else None,
                      full_table=full.to(table.device), reads=reads,
-                     num_decodes=num_decodes, chunks=chunks)
+                     num_decodes=num_decodes, chunks=chunks, chunk_rows=rows)
     if lse_decode and num_decodes:
         made.decode = decode_view(common, num_decodes, spec, spec.head_ranks > 1,
                                   runtime.decode_buffers(common.block_table_tensor))
@@ -343,19 +349,38 @@ def plan_batch(runtime, common, num_decodes: int, *, whole: bool, lse_decode: bo
 
 
 def _plan_pcp(runtime, step: PCPStep, table, num_reqs: int, lse_decode: bool,
-              columns: int):
+              columns: int, chunked: bool):
     """PCP: the plan of the global batch, whose rows this rank's table holds
-    in its own order (``core.plan.plan_split_requests``)."""
+    in its own order (``core.plan.plan_split_requests``); ``chunked``: the
+    global requests' reads in scratch-sized chunks, identical on every rank
+    (each rank's rows read their parts: ``core.plan.rows_of_chunk``).
+    Returns ``(plan, local full table, lens, chunks, local rows' requests)``
+    (the last two None unless chunked)."""
     if len(step.row_keys) != num_reqs:
         raise RuntimeError(
             f"cp_kv: the PCP step recorded {len(step.row_keys)} local "
             f"rows but the batch has {num_reqs}; stale step state.")
     reads = step.seq_lens if not lse_decode else step.seq_lens * step.is_prefill
     lens = torch.from_numpy(reads.astype("int64"))
-    plan, full, global_table = plan_split_requests(
-        runtime.spec, table, step.row_keys, step.keys, lens, min_columns=columns)
+    if not chunked:
+        plan, full, global_table = plan_split_requests(
+            runtime.spec, table, step.row_keys, step.keys, lens, min_columns=columns)
+        chunks = rows = None
+    else:
+        global_table, rows = global_rows(table, step.row_keys, step.keys)
+        # the chunks' tables as wide as the global batch's longest request
+        # (no rank's row is longer), the same on every rank
+        bs = runtime.spec.block_size
+        columns = max(columns, -(-int(step.seq_lens.max(initial=0)) // bs))
+        chunks = plan_context_chunks(runtime.spec, global_table, lens,
+                                     runtime.pool.capacity_blocks, min_columns=columns)
+        plan = chunks[0].plan
+        full = plan.full_block_table[rows.to(plan.full_block_table.device)]
     if runtime.debug:
         # vLLM's PCP write path gathers new KV across ranks: the owned-writes
         # check runs on the poisoned-cache tests
-        core_debug.check_plan_covers(plan, global_table, lens)
-    return plan, full, lens
+        if chunks is None:
+            core_debug.check_plan_covers(plan, global_table, lens)
+        else:
+            core_debug.check_chunks_cover(chunks, global_table, lens)
+    return plan, full, lens, chunks, rows

@@ -53,10 +53,10 @@ def model_kv_layout(model_dir: str, dtype: str, kv_cache_dtype: str) -> dict:
 def chunked_context(layout: dict, a) -> bool:
     """Whether the worker would reserve the chunked context's workspace
     (``core.capacity.scratch_blocks_bound``) rather than the whole view:
-    dense models, the shard-aware decode, no PCP, a backend that merges
-    context chunks (not AMX_MLA, which needs block size 32 or more on CPU)."""
-    return not (layout["indexer"] or a.pcp > 1 or a.decode == "materialize"
-                or a.backend == "AMX_MLA")
+    dense models, the shard-aware decode, a backend that merges context
+    chunks (not AMX_MLA, which needs block size 32 or more on CPU); under
+    PCP too."""
+    return not (layout["indexer"] or a.decode == "materialize" or a.backend == "AMX_MLA")
 
 
 def capacity(a) -> int:
