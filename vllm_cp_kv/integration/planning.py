@@ -215,7 +215,8 @@ class BatchPlan:
     decode: DecodeView | None = None  # decode rows use the LSE path
     amx: AMXLocal | None = None  # AMX_MLA's kernel metadata for the owned blocks
     # the cached context as chunks read one after another (core.plan.ContextChunk;
-    # one chunk: the single gather, ``plan``); None under PCP
+    # one chunk: the single gather, ``plan``; under PCP the global requests');
+    # None where the context is not chunked
     chunks: list | None = None
     # several chunks: each chunk's prefill metadata for vLLM's context loop (its block
     # table and chunked-context metadata; None: no prefill row reads the chunk)
