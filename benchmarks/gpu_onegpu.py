@@ -679,9 +679,8 @@ def fp8_check(out, results) -> None:
     if c:
         c["floor_fp8_pcp2_vs_tp1"] = agree(results, "pcp2-dTR-fp8-plain", "tp1-dTR-fp8-plain")
     # PCP=2 x TP=2 (TRITON_MLA): against vLLM's own, within the floor of
-    # vLLM's own against TP=2 (both unsharded FP8)
-    # the floor of TP=2 against TP=1 (both unsharded FP8; vLLM's own
-    # PCP x TP parts from TP=2 early, as PCP's prefill reads through FP8)
+    # TP=2 against TP=1 (both unsharded FP8; vLLM's own PCP x TP parts from
+    # TP=2 early, as PCP's prefill reads through FP8)
     c = fp8_pair(out, "pcp2tp2-dense-TRITON_MLA-fp8", results, "pcp2tp2-dTR-fp8",
                  "pcp2tp2-dTR-fp8-plain",
                  agree(results, "tp2-dTR-fp8-plain", "tp1-dTR-fp8-plain"), ranks=4)
@@ -709,10 +708,16 @@ def _ok_pd(results, name):
     return r if r and r.get("decode_tokens") else None
 
 
+def least_ratio(ranks: int) -> float:
+    """The capacity a sharded run must reach over its unsharded one: 1.95x
+    a pair of ranks (the scratch and rounding take the rest)."""
+    return 1.95 * ranks / 2
+
+
 def fp8_pair(out, key, results, run, base, floor, ranks=2) -> dict | None:
     """``run``-shard against ``base`` within ``floor``, and ``run``-debug's
     verdict (invariants held, capacity, owned writes)."""
-    least = 1.95 * ranks / 2
+    least = least_ratio(ranks)
     c = pair(out, key, results, f"{run}-shard", base, ranks, least)
     if c:
         c["floor_fp8_tp2_vs_tp1"] = floor
@@ -827,11 +832,11 @@ def mtp_check(out, results) -> None:
                 "rc_vllm_own": own.get("rc"), "rc_sharded": results[names[1]].get("rc"),
                 "vllm_own_worker_errors": errors, "vllm_own_spec_decode": drafts or None}
         d = pair(out, f"mtp2-{lay}-eager-debug", results, f"{lay}-mtp2-debug",
-                 f"{lay}-mtp2-plain-eager", ranks, 1.95 * ranks / 2)
+                 f"{lay}-mtp2-plain-eager", ranks, least_ratio(ranks))
         if d:
             run = _ok(results, f"{lay}-mtp2-debug")
             d["owned_writes_ok"] = mtp_rows_ok(d, run)
-            d["ok"] = (d["capacity_ratio"] >= 1.95 * ranks / 2 and d["debug_invariants_hold"]
+            d["ok"] = (d["capacity_ratio"] >= least_ratio(ranks) and d["debug_invariants_hold"]
                        and d["owned_writes_ok"])
             d["spec_decode"] = run.get("spec_decode")
     d = _ok(results, "tp2-FA-mtp2-debug")
@@ -870,7 +875,7 @@ def mtp_pair(out, key, results, shard, base, tp2, ranks) -> None:
     """MTP: ``shard`` against vLLM's own ``base`` within the floor of
     ``base`` against ``tp2``; verification rows through the shard-aware
     decode, drafts made, vLLM's spec-decode counters side by side."""
-    c = pair(out, key, results, shard, base, ranks, 1.95 * ranks / 2)
+    c = pair(out, key, results, shard, base, ranks, least_ratio(ranks))
     if not c:
         return
     s, p = _ok(results, shard), _ok(results, base)
@@ -880,7 +885,7 @@ def mtp_pair(out, key, results, shard, base, tp2, ranks) -> None:
              spec_decode_sharded=s.get("spec_decode"), spec_decode_unsharded=p.get("spec_decode"),
              multi_query_decode_steps=[x.get("multi_query_decode_steps") for x in stats])
     c["owned_writes_ok"] = mtp_rows_ok(c, s)
-    c["ok"] = (c["capacity_ratio"] >= 1.95 * ranks / 2 and c["owned_writes_ok"]
+    c["ok"] = (c["capacity_ratio"] >= least_ratio(ranks) and c["owned_writes_ok"]
                and c["within_noise_floor"] and bool(stats)
                and all((m or 0) > 0 for m in c["multi_query_decode_steps"])
                and (s.get("spec_decode") or {}).get("spec_decode_num_drafts", 0) > 0)
