@@ -326,11 +326,13 @@ def global_rows(block_table: torch.Tensor, row_keys, keys
 
 def rows_of_chunk(chunk: ContextChunk, local: torch.Tensor, row_context: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Under PCP the chunks are the global requests' (identical on every
-    rank), and a rank's rows read parts of them: each local row reads, from
-    its request's range of the chunk, the tokens below its own context
-    length (``row_context``, host; a row runs one piece of its request, so
-    contexts differ between a request's rows and ranks).
+    """Each row's part of a chunk: from its request's range of the chunk
+    (``local``: each row's request in the chunk), the tokens below the
+    row's own context length (``row_context``, host). Over TP the rows are
+    the chunk's requests and read their whole range; under PCP the chunks
+    are the global requests' (identical on every rank) and a row runs one
+    piece of its request, so contexts differ between a request's rows and
+    ranks.
 
     Returns ``(tokens, table)``: ``[R_local]`` tokens each row reads from
     the chunk's first token of its request on (0: none), and the

@@ -191,14 +191,12 @@ class ShardedBuilder:
 
         start = made.num_decodes
         qsl = common.query_start_loc_cpu[start: common.num_reqs + 1]
-        if made.chunk_rows is not None:  # PCP: the rows' contexts within the global chunks
-            context_lens = read_lens(common, made.num_decodes, whole=False, lse_decode=True)
+        # each row's context within its request's part of each chunk (the
+        # whole part but under PCP, where a row is one piece of its request)
+        context_lens = read_lens(common, made.num_decodes, whole=False, lse_decode=True)
         parts = []
         for chunk in made.chunks:
-            if made.chunk_rows is None:
-                tokens, table = chunk.num_tokens, chunk.plan.full_block_table
-            else:
-                tokens, table = rows_of_chunk(chunk, made.chunk_rows, context_lens)
+            tokens, table = rows_of_chunk(chunk, made.chunk_rows, context_lens)
             context = build_mla_chunked_context_metadata(
                 context_lens_cpu=tokens[start: common.num_reqs].to(torch.int32),
                 prefill_query_start_loc_cpu=qsl - qsl[0],

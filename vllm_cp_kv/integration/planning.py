@@ -221,8 +221,8 @@ class BatchPlan:
     # several chunks: each chunk's prefill metadata for vLLM's context loop (its block
     # table and chunked-context metadata; None: no prefill row reads the chunk)
     vllm_chunks: list | None = None
-    # PCP with chunks: the global request of each local row (host; the chunks
-    # are the global batch's, core.plan.rows_of_chunk)
+    # with chunks: the chunks' request of each row (host; the identity but
+    # under PCP, whose chunks are the global batch's: core.plan.rows_of_chunk)
     chunk_rows: torch.Tensor | None = None
     views: dict = field(default_factory=dict)  # (layer name, chunk) -> full view
     decode_builder: Any = None  # debug: the (vLLM) builder whose kernel reads a view
@@ -324,6 +324,7 @@ def plan_batch(runtime, common, num_decodes: int, *, whole: bool, lse_decode: bo
             chunks = [ContextChunk(torch.zeros_like(lens), lens, plan_materialization(
                 spec, table, lens, min_columns=columns))]
         plan, full = chunks[0].plan, chunks[0].plan.full_block_table
+        rows = torch.arange(common.num_reqs)  # the chunks' requests are the rows
         if runtime.debug:
             if not batch.dummy:
                 core_debug.check_owned_writes(
