@@ -40,6 +40,26 @@ def view_of(plan, scratch, i):
     return scratch[plan.full_block_table[i, :nb].long()]
 
 
+def read_rows(chunks, rows, row_context, caches):
+    """Each row's tokens read over context chunks in order (its part of
+    each: ``core.plan.rows_of_chunk``; ``rows``: each row's request in the
+    chunks), every rank's pack concatenated as the all-gather would; a
+    row's parts must follow on from each other."""
+    from vllm_cp_kv.core.materialize import pack
+    from vllm_cp_kv.core.plan import rows_of_chunk
+
+    got = [[] for _ in range(len(row_context))]
+    for c in chunks:
+        scratch = torch.cat([pack(c.plan, r, cache) for r, cache in enumerate(caches)])
+        tokens, table = rows_of_chunk(c, rows, row_context)
+        for i, t in enumerate(tokens.tolist()):
+            if t:
+                assert int(c.first_blocks[rows[i]]) * BS == sum(v.shape[0] for v in got[i])
+                blocks = scratch[table[i, : -(-t // BS)].long()]
+                got[i].append(blocks.reshape(-1, blocks.shape[-1])[:t])
+    return [torch.cat(g) if g else caches[0][0, :0] for g in got]
+
+
 def spec(n, rank=0):
     return CPShardSpec(rank=rank, size=n, block_size=BS)
 

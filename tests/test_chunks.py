@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from builders import BS, make_batch, spec
+from builders import BS, make_batch, read_rows, spec
 from harness.reference import full_view
 from vllm_cp_kv.core import debug
 from vllm_cp_kv.core.materialize import pack
@@ -114,22 +114,11 @@ def read_rows_by_chunks(n, table, lens, caches, capacity, row_keys, keys, row_co
     """PCP: the chunks are planned over the global requests (every rank
     the same); each local row (several may belong to one request, each with
     its own context) reads its part of each chunk (``rows_of_chunk``)."""
-    from vllm_cp_kv.core.plan import global_rows, rows_of_chunk
+    from vllm_cp_kv.core.plan import global_rows
 
     global_table, rows = global_rows(table, row_keys, keys)
-    rows = rows if local is None else local
     chunks = plan_context_chunks(spec(n), global_table, lens, capacity)
-    got = [[] for _ in row_keys]
-    for c in chunks:
-        scratch = torch.cat([pack(c.plan, r, cache) for r, cache in enumerate(caches)])
-        tokens, chunk_table = rows_of_chunk(c, rows, row_context)
-        for i in range(len(row_keys)):
-            t = int(tokens[i])
-            if t:
-                assert int(c.first_blocks[rows[i]]) * BS == sum(v.shape[0] for v in got[i])
-                blocks = chunk_table[i, : -(-t // BS)].long()
-                got[i].append(scratch[blocks].reshape(-1, scratch.shape[-1])[:t])
-    return [torch.cat(g) if g else caches[0][0, :0] for g in got]
+    return read_rows(chunks, rows if local is None else local, row_context, caches)
 
 
 def pcp_rows(rnd, lens):

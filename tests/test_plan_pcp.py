@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from builders import BS, make_batch, spec
+from builders import BS, make_batch, read_rows, spec
 from conftest import needs_vllm
 from vllm_cp_kv.core import debug
 from harness.reference import full_view, tokens_of
-from vllm_cp_kv.core.plan import (global_rows, plan_context_chunks, plan_split_requests,
-                                  rows_of_chunk)
+from vllm_cp_kv.core.plan import global_rows, plan_context_chunks, plan_split_requests
 
 pytestmark = needs_vllm
 
@@ -100,16 +99,8 @@ def test_chunked_context_under_pcp(n, name, capacity_per_rank):
         chunks = plan_context_chunks(spec(n, rank), global_table, torch.as_tensor(total),
                                      capacity_per_rank * n)
         debug.check_chunks_cover(chunks, global_table, torch.as_tensor(total))
-        context = torch.tensor([reads for _, reads in rows])
-        got = [[] for _ in rows]
-        for c in chunks:
-            scratch = torch.cat([caches[r][c.plan.send_block_ids[r]] for r in range(n)])
-            tokens, chunk_table = rows_of_chunk(c, local, context)
-            for i, t in enumerate(tokens.tolist()):
-                if t:
-                    got[i].append(tokens_of(scratch[chunk_table[i, : -(-t // BS)].long()], t))
-        for (g, reads), parts in zip(rows, got):
-            row = torch.cat(parts) if parts else ref[g][:0]
+        got = read_rows(chunks, local, torch.tensor([reads for _, reads in rows]), caches)
+        for (g, reads), row in zip(rows, got):
             assert torch.equal(row, ref[g][:reads]), (name, rank, g, reads)
         per_rank.append(chunks)
     for chunks in per_rank[1:]:
