@@ -1052,16 +1052,22 @@ def against(out: str, old: str) -> dict:
     return report
 
 
-def main() -> None:
+def matrix_arguments(timeout: float) -> argparse.ArgumentParser:
+    """The arguments of a matrix of runs (this one and gpu_sparse.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--runs", default="all")
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--parallel", type=int, default=6)
+    ap.add_argument("--timeout", type=float, default=timeout)
+    ap.add_argument("--summarize", action="store_true")
+    return ap
+
+
+def main() -> None:
+    ap = matrix_arguments(timeout=240)
     ap.add_argument("--comm", default="nccl", choices=["nccl", "gloo", "shm"],
                     help="the harness's collectives (gloo and shm: eager runs only)")
-    ap.add_argument("--timeout", type=float, default=240)
-    ap.add_argument("--summarize", action="store_true")
     ap.add_argument("--against", help="compare with the same runs in this folder")
     a = ap.parse_args()
     if a.against:
@@ -1081,11 +1087,19 @@ def main() -> None:
                 with open(path) as f:
                     results[name] = {**results[name], **json.load(f), "name": name}
         return report(a.out, results)
-    start = time.time()
     table = runs()
     names = [n for part in a.runs.split(",") for n in GROUPS.get(part, [part])]
     for kind in {table[n][0] for n in names}:  # build the models before the clock runs
         model_dir("moe" if kind == "pd" else kind)
+    run_table(table, names, a, results, path)
+    report(a.out, results)
+
+
+def run_table(table: dict, names: list, a, results: dict, path: str) -> None:
+    """Run ``names`` of ``table``, ``a.parallel`` at a time, each stopped by
+    ``a.timeout`` or the budget left of ``a.budget_s``; ``results`` (and
+    ``path``) updated after each."""
+    start = time.time()
 
     def go(name):
         left = a.budget_s - (time.time() - start)
@@ -1099,7 +1113,6 @@ def main() -> None:
         for name, res in pool.map(go, names):
             results[name] = res
             write_json(path, {"runs": results})
-    report(a.out, results)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,22 @@ MUTATIONS = [
     ("vllm_cp_kv/integration/planning.py",
      "        columns = max(columns, -(-int(step.seq_lens.max(initial=0)) // bs))",
      "        columns = columns", "tests/test_plan_pcp.py"),
+    # the shard-aware sparse path (issue 49): the tie rule (lower position
+    # first), -inf as padding, local positions to logical ones, the owned
+    # part of a selection, and no scratch on that path
+    ("vllm_cp_kv/core/sparse.py",
+     "    key = (ordered << _POSITION_BITS) | (_POSITION_MASK - pos.clamp(0, _POSITION_MASK))",
+     "    key = (ordered << _POSITION_BITS) | pos.clamp(0, _POSITION_MASK)",
+     "tests/test_sparse_topk.py"),
+    ("vllm_cp_kv/core/sparse.py", '    real = (pos >= 0) & (s > float("-inf"))',
+     "    real = pos >= 0", "tests/test_sparse_topk.py"),
+    ("vllm_cp_kv/core/sparse.py", " + rank * interleave ", " + rank ",
+     "tests/test_sparse_topk.py"),
+    ("vllm_cp_kv/core/sparse.py",
+     "    mine = (pos >= 0) & (spec.owner_of(block) == spec.rank)",
+     "    mine = pos >= 0", "tests/test_sparse_topk.py"),
+    ("vllm_cp_kv/tools/cli.py", "        scratch=not shard_aware_sparse(layout, a))",
+     "        scratch=True)", "tests/test_capacity.py"),
 ]
 
 # the suite's share: a decode buffer rewritten in place, the PCP mask's

@@ -208,6 +208,34 @@ def _install_indexer_dump(worker, path):
     return True
 
 
+def _install_topk_dump(worker, path, limit: int = 48):
+    """Save the indexer's top-k rows of the first decode-only steps, every
+    sparse layer, as sets (each row sorted, ``-1`` last), per rank: the
+    shard-aware path's merged global top-k against an unsharded run's on the
+    same prompts (eager runs: a replayed graph runs no Python)."""
+    import torch
+    from vllm.forward_context import get_forward_context
+    from vllm.models.deepseek_v32 import attention
+
+    inner, rec = attention.sparse_attn_indexer, []
+
+    def dump(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        md = get_forward_context().attn_metadata
+        prefix = kwargs.get("k_cache_prefix", args[1] if len(args) > 1 else None)
+        m = md.get(prefix) if isinstance(md, dict) else None
+        if m is None or not m.num_decodes or m.num_prefills or len(rec) >= limit:
+            return out
+        k = kwargs.get("topk_tokens", args[9] if len(args) > 9 else None)
+        rec.append({"layer": str(prefix),
+                    "rows": sorted_rows(out[: m.num_decode_tokens, :k]).cpu()})
+        torch.save(rec, f"{path}.rank{torch.distributed.get_rank()}.pt")
+        return out
+
+    attention.sparse_attn_indexer = dump
+    return True
+
+
 def _install_sorted_topk(worker):
     """Verification aid for sparse models (not a serving feature): sort each
     row of the indexer's top-k output (valid positions ascending, ``-1``
@@ -291,6 +319,9 @@ def engine_options(a) -> dict:
         kw["max_num_batched_tokens"] = a.max_num_batched_tokens
     if a.kv_cache_dtype:
         kw["kv_cache_dtype"] = a.kv_cache_dtype
+    if a.attention_config:  # with the backend (engine_kwargs sets it from --backend)
+        kw["attention_config"] = {**({"backend": a.backend} if a.backend else {}),
+                                  **json.loads(a.attention_config)}
     if a.spec:
         kw["speculative_config"] = json.loads(a.spec)
     if a.waves > 1 or a.spec:
@@ -345,6 +376,8 @@ def run(a) -> dict:
         llm.collective_rpc(_install_sorted_topk)
     if a.dump_indexer:
         llm.collective_rpc(_install_indexer_dump, args=(a.dump_indexer,))
+    if a.dump_topk:
+        llm.collective_rpc(_install_topk_dump, args=(a.dump_topk,))
     if a.poison:
         llm.collective_rpc(_poison)
     if a.count_collectives:
@@ -399,7 +432,12 @@ def run(a) -> dict:
     if a.pcp > 1:
         res["last_token"] = llm.collective_rpc(_last_token_stats)
     if a.time_decode:
-        res["decode_step"] = time_decode(llm, a.time_decode, vocab)
+        contexts = [int(c) for c in a.time_contexts.split(",")]
+        if len(contexts) > 1:  # a warm-up timing first (new shapes), dropped
+            time_decode(llm, a.time_decode, vocab, context=contexts[0])
+        res["decode_steps"] = [time_decode(llm, a.time_decode, vocab, context=c)
+                               for c in contexts]
+        res["decode_step"] = res["decode_steps"][0]
     return res
 
 
@@ -498,6 +536,10 @@ def main() -> None:
                     help="sparse models: PATH prefix; save the first indexer "
                          "layer's view of request 0 at the first decode step")
     ap.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8_ds_mla")
+    ap.add_argument("--attention-config", default=None,
+                    help='more of vLLM\'s attention_config, e.g. \'{"sparse_mla_shard_q": false}\'')
+    ap.add_argument("--dump-topk", default=None,
+                    help="sparse models: save the first decode steps' top-k rows here")
     ap.add_argument("--torch-rope", action="store_true",
                     help="CPU: PyTorch's rope instead of vLLM's rotary kernel")
     ap.add_argument("--kernel-rope", action="store_true",
@@ -534,6 +576,8 @@ def main() -> None:
                     help="bytes through each worker's collectives, per step (CPU)")
     ap.add_argument("--time-decode", type=int, default=0,
                     help="after the run: seconds per decode step over this many steps")
+    ap.add_argument("--time-contexts", default="2000",
+                    help="--time-decode: comma-separated contexts, one timing each")
     ap.add_argument("--dcp", type=int, default=1, help="vLLM's own DCP (no plugin)")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -62,12 +62,15 @@ DSV3 = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61,
         "max_position_embeddings": 163840}
 
 
-def capacity_json(tmp_path, *args):
+DSV32 = {**DSV3, "architectures": ["DeepseekV32ForCausalLM"], "index_topk": 2048}
+
+
+def capacity_json(tmp_path, *args, config=DSV3):
     import json
 
     from vllm_cp_kv.tools import cli
 
-    (tmp_path / "config.json").write_text(json.dumps(DSV3))
+    (tmp_path / "config.json").write_text(json.dumps(config))
     import contextlib
     import io
     out = io.StringIO()
@@ -145,3 +148,26 @@ def test_pcp_by_tp_shards_over_all_ranks(tmp_path):
     # a dense FP8 cache is sharded on vLLM 0.34 only (row fp8-pcp)
     assert capacity_json(tmp_path, "--tp", "2", "--kv-cache-dtype", "fp8")["min_vllm"] == "0.34"
     assert capacity_json(tmp_path, "--pcp", "2", "--tp", "4")["shard_size"] == 8
+
+
+@pytest.mark.parametrize("n,goal", [(2, 1.97), (4, 3.93), (8, 7.85)])
+def test_sparse_capacity_at_deepseek_v32_shapes(tmp_path, n, goal):
+    """DeepSeek-V3.2 (fp8_ds_mla latent 656 B + indexer 132 B a token, 61
+    layers, block 64, 64 GiB, 131,072 tokens, 256 sequences): on the
+    shard-aware sparse path (vLLM 0.34, TP) the plugin reserves no scratch,
+    so N ranks hold N times the tokens, by hand; the materializing path's
+    whole view (vLLM 0.32, PCP, decode "materialize") falls short of the
+    goal: the negative control."""
+    got = capacity_json(tmp_path, "--tp", str(n), "--kv-cache-dtype", "fp8_ds_mla",
+                        config=DSV32)
+    page, budget, layers = 64 * (656 + 132), 64 * 2**30, 61
+    assert got["scratch_blocks"] == 0 and got["min_vllm"] == "0.34"
+    assert got["unsharded"] == budget // (layers * page) * 64
+    assert got["sharded"] == got["unsharded"] * n
+    assert got["ratio"] >= goal, got
+    whole = capacity_json(tmp_path, "--tp", str(n), "--kv-cache-dtype", "fp8_ds_mla",
+                          "--decode", "materialize", config=DSV32)
+    assert whole["ratio"] < goal and whole["scratch_blocks"] > 0
+    pcp = capacity_json(tmp_path, "--pcp", str(n), "--tp", "1", "--kv-cache-dtype", "fp8_ds_mla",
+                        config=DSV32)
+    assert pcp["scratch_blocks"] == whole["scratch_blocks"]  # PCP: still materializing

@@ -182,9 +182,35 @@ def test_row_cuda_graphs(tiny_dsv2, dsv32_model, monkeypatch):
 
 
 def test_row_sparse_graphs(dsv32_model, monkeypatch):
-    monkeypatch.setattr(checks_module(), "_on_gpu", lambda: True)
+    """Graphs with a sparse model: refused on the materializing path (this
+    vLLM 0.32; with the release read as 0.34: under PCP, or with decode
+    "materialize"), admitted on the shard-aware path (0.34, TP, the default
+    decode) and eager."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_cp_kv.integration.checks import check_engine_args, sparse_shard_aware
+    from vllm_cp_kv.integration.options import CPKVOptions
+
+    checks = checks_module()
+    monkeypatch.setattr(checks, "_on_gpu", lambda: True)
     expect_row("sparse-graphs", dsv32_model, enforce_eager=False)
     config(dsv32_model, enforce_eager=True)  # eager: admitted (as far as the plugin goes)
+    on = CPKVOptions(enable=True)
+    assert sparse_shard_aware(on, 1, release=(0, 34))
+    assert not sparse_shard_aware(on, 1, release=(0, 32))
+    assert not sparse_shard_aware(on, 2, release=(0, 34))
+    assert not sparse_shard_aware(CPKVOptions(enable=True, decode="materialize"), 1,
+                                  release=(0, 34))
+    monkeypatch.setattr(checks, "_before_034", lambda release: None)  # read as 0.34
+    args = EngineArgs(model=dsv32_model, tensor_parallel_size=2, enforce_eager=False)
+    check_engine_args(args, on)  # the shard-aware path: graphs admitted
+    for kw, opts in (({"prefill_context_parallel_size": 2, "tensor_parallel_size": 1}, on),
+                     ({}, CPKVOptions(enable=True, decode="materialize"))):
+        args = EngineArgs(model=dsv32_model, enforce_eager=False,
+                          **{"tensor_parallel_size": 2, **kw})
+        with pytest.raises(ValueError) as info:
+            check_engine_args(args, opts)
+        assert any(m in str(info.value) for m in DOC["sparse-graphs"])
 
 
 def test_row_spec_pcp_graphs(tiny_dsv2, monkeypatch):

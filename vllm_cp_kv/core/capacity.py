@@ -92,7 +92,8 @@ def scratch_blocks_bound(*, available_bytes: int, page_bytes: int,
 def logical_capacity_tokens(*, budget_bytes: int, page_bytes: int, num_layers: int,
                             block_size: int, shard_size: int, max_num_seqs: int,
                             max_model_len: int, cap_blocks: int = 0,
-                            chunked: bool = True, workspace_tokens: int = 0) -> dict:
+                            chunked: bool = True, workspace_tokens: int = 0,
+                            scratch: bool = True) -> dict:
     """Tokens a KV budget per rank holds, unsharded and sharded, with the
     arithmetic vLLM's engine uses (whole blocks of every layer) and the
     plugin's scratch taken out of the sharded budget first.
@@ -102,21 +103,25 @@ def logical_capacity_tokens(*, budget_bytes: int, page_bytes: int, num_layers: i
         page_bytes: one block of one layer, every cache of the layer summed
             (latent; sparse models: plus the indexer's keys and scales).
         chunked: the scratch is the chunked context's workspace (dense
-            models); False: the whole view (sparse models and the other
-            cases of :func:`scratch_blocks_bound`).
+            models); False: the whole view (the materializing sparse path
+            and the other cases of :func:`scratch_blocks_bound`).
+        scratch: False where the plugin reserves none (sparse models on the
+            shard-aware path: every rank reads its own blocks; vLLM's own
+            prefill gather buffers are activation memory, outside the KV
+            budget, as for vLLM's DCP).
     Returns:
         ``{"unsharded": tokens, "sharded": tokens, "scratch_blocks": n,
         "ratio": sharded / unsharded}``.
     """
     per_block = page_bytes * num_layers
     unsharded = budget_bytes // per_block * block_size
-    scratch = scratch_blocks_bound(
+    blocks = scratch_blocks_bound(
         available_bytes=budget_bytes, page_bytes=page_bytes, num_layers=num_layers,
         shard_size=shard_size, block_size=block_size, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, cap_blocks=cap_blocks, chunked=chunked,
-        workspace_tokens=workspace_tokens)
-    sharded = (budget_bytes - scratch * page_bytes) // per_block * block_size * shard_size
-    return {"unsharded": unsharded, "sharded": sharded, "scratch_blocks": scratch,
+        workspace_tokens=workspace_tokens) if scratch else 0
+    sharded = (budget_bytes - blocks * page_bytes) // per_block * block_size * shard_size
+    return {"unsharded": unsharded, "sharded": sharded, "scratch_blocks": blocks,
             "ratio": sharded / unsharded if unsharded else float("inf")}
 
 

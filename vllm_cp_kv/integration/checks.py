@@ -136,14 +136,17 @@ def check_engine_args(args, options: CPKVOptions) -> None:
     check_kv_cache_dtype(str(getattr(args, "kv_cache_dtype", None) or "auto"),
                          bool(getattr(model_config.hf_text_config, "index_topk", None)))
     if _on_gpu() and not args.enforce_eager and \
-            getattr(model_config.hf_text_config, "index_topk", None):
-        # vLLM would run it PIECEWISE (the sharded builders declare no
-        # full-graph support), but no such run has been checked yet; under
-        # PCP vLLM 0.32 refuses graphs for sparse MLA itself
+            getattr(model_config.hf_text_config, "index_topk", None) and \
+            not sparse_shard_aware(options, pcp):
+        # the materializing path: vLLM would run it PIECEWISE (the sharded
+        # builders declare no full-graph support), but no such run has been
+        # checked; under PCP vLLM 0.32 refuses graphs for sparse MLA itself
         raise CPKVConfigError(
-            "cp_kv: CUDA graphs with a sparse-attention (DeepSeek-V3.2) model and "
-            "sharded KV have not been verified (its decode reads a full view "
-            "planned per batch); add --enforce-eager or disable cp_kv.")
+            "cp_kv: CUDA graphs with a sparse-attention (DeepSeek-V3.2) model on the "
+            "materializing path (vLLM before 0.34, PCP, or cp_kv.decode='materialize': "
+            "its decode reads a full view planned per batch) have not been verified; "
+            "add --enforce-eager, or use vLLM 0.34 with TP and the default decode "
+            "(the shard-aware sparse path, docs/sparse.md), or disable cp_kv.")
     if options.prefetch and getattr(model_config.hf_text_config, "index_topk", None):
         raise CPKVConfigError(
             "cp_kv: prefetch is for dense MLA models; a sparse-attention model reads "
@@ -191,6 +194,15 @@ def derive_query_replication(args, pcp: int, options: CPKVOptions) -> None:
     if _amx_mla_chosen(args):
         return
     args.dcp_q_replicate = True
+
+
+def sparse_shard_aware(options: CPKVOptions, pcp: int,
+                       release: tuple[int, int] | None = None) -> bool:
+    """A sparse model's layers take the shard-aware path (``sparse_dcp.py``):
+    vLLM 0.34 or later, sharding over TP (PCP keeps the materializing path,
+    ``sparse.py``), the default ``cp_kv.decode``. The same rule as
+    ``sparse_dcp.shard_aware_sparse`` on the engine args."""
+    return _before_034(release) is None and pcp == 1 and options.decode == "lse"
 
 
 def _before_034(release: tuple[int, int] | None) -> tuple[int, int] | None:

@@ -56,9 +56,15 @@ Why each is needed:
    the V2 runner's CUDA graph captures (a captured MoE layer reads that
    buffer at every replay) and the MTP drafter's forwards (each module
    imports ``set_forward_context`` by name; a DeepSeek MTP layer is MoE).
-10. Sparse (DeepSeek-V3.2) models: the indexer cache's builder plans with the
-    latent and sees the full view, and vLLM's indexer op runs on the full
-    view (``sparse.py``).
+10. Sparse (DeepSeek-V3.2) models. On vLLM 0.34 (GPU) the shard-aware path:
+    vLLM's own DCP sparse layers run (the indexer scores the owned keys, the
+    sparse kernel attends to the owned selected tokens, the layer merges by
+    LSE), with the plugin's exchange of the ranks' top-k candidates in place
+    of vLLM's CuteDSL-only ``_merge_dcp_topk_global`` and, for
+    FLASH_ATTN_MLA_SPARSE, the kernel's LSE (``sparse_dcp.py``). On vLLM
+    0.32, or with ``cp_kv.decode = "materialize"``: the indexer cache's
+    builder plans with the latent and sees the full view, and vLLM's indexer
+    op runs on the full view (``sparse.py``).
 11. TRITON_MLA's decode allocates its LSE in the model dtype; a bf16 LSE of
     an 8K context is off by up to 0.06, a 6% error in the weight of a
     rank's partial output in the LSE merge (measured on one H200: the debug
@@ -191,6 +197,7 @@ def _patch_backend_selector() -> None:
 
         from .backend import lse_decode_enabled, sharded_backend
         from .checks import check_decode_backend, check_fp8_backend, check_sparse_backend
+        from .sparse_dcp import shard_aware_sparse, shard_aware_sparse_backend
         from .vllm_api import unsharded_view
 
         # choose as an unsharded run would (FLASH_ATTN_MLA_SPARSE declines DCP)
@@ -202,6 +209,10 @@ def _patch_backend_selector() -> None:
         check_fp8_backend(cls.get_name(), str(vllm_config.cache_config.cache_dtype),
                           attn_selector_config.use_sparse,
                           vllm_config.parallel_config.prefill_context_parallel_size)
+        if attn_selector_config.use_sparse and shard_aware_sparse(vllm_config):
+            # vLLM 0.34's own DCP sparse layers, with the plugin's top-k merge
+            # (item 10) and FA3's LSE (sparse_dcp.py)
+            return shard_aware_sparse_backend(cls)
         check_decode_backend(cls, current_platform.is_cuda_alike(),
                              lse_decode_enabled(vllm_config, attn_selector_config.use_sparse))
         return sharded_backend(cls)

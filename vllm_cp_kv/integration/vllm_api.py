@@ -66,6 +66,9 @@ no.    target (vLLM 0.32)                                      how
        ``_k_scale_float`` (FP8 caches: the debug reference)
 27     0.33+: ``TritonMLAImpl.reserve_workspace`` (profile     overrides
        run), its ``num_heads * dcp_world_size``
+28     0.34: the DSA indexer's ``_merge_dcp_topk_global``      rebinds,
+       (its arguments); FA3 sparse's ``_forward_mqa_kernel``   overrides,
+       and ``flash_attn_varlen_func`` (``return_softmax_lse``) scoped view
 =====  ======================================================  ==============
 
 Why each rebinding is needed: ``plugin.py``'s docstring. Items 16-24 are
@@ -365,6 +368,25 @@ REGISTRY = (
     Rebinding(27, ("vllm.v1.attention.backends.mla.triton_mla:TritonMLAImpl.reserve_workspace",),
               releases=((0, 33), (0, 34)), build="gpu",
               why="0.32 profiles no decode workspace (the builder reserves it)"),
+    Rebinding(28, ("vllm.model_executor.layers.sparse_attn_indexer:_merge_dcp_topk_global",
+                   "vllm.v1.attention.backends.mla.flashattn_mla_sparse:"
+                   "FlashAttnMLASparseImpl._forward_mqa_kernel",
+                   "vllm.v1.attention.backends.mla.flashattn_mla_sparse:"
+                   "flash_attn_varlen_func",
+                   "vllm.v1.attention.backend:AttentionImplBase.supports_dcp",
+                   "vllm.v1.attention.backend:AttentionImplBase."
+                   "supports_mtp_with_cp_non_trivial_interleave_size"),
+              params=("logits", "topk_indices", "topk_tokens", "dcp_rank",
+                      "dcp_world_size", "cp_interleave", "row_starts"),
+              signatures=(("vllm.v1.attention.backends.mla.flashattn_mla_sparse:"
+                           "FlashAttnMLASparseImpl._forward_mqa_kernel",
+                           ("q", "kv_cache", "topk_indices", "valid_counts", "layer",
+                            "block_size", "is_decode")),
+                          ("vllm.v1.attention.backends.mla.flashattn_mla_sparse:"
+                           "flash_attn_varlen_func", ("return_softmax_lse",))),
+              releases=((0, 34),), build="gpu",
+              why="the shard-aware sparse path runs on vLLM 0.34's DCP sparse layers "
+                  "(earlier releases: the materializing path)"),
 )
 
 

@@ -47,6 +47,13 @@ class ShardedKVWorker(_PlatformWorker):
         specs = self.model_runner.get_kv_cache_spec()
         if not specs or not self._sharding():
             return available
+        from .sparse_dcp import shard_aware_sparse
+
+        if shard_aware_sparse(self.vllm_config):
+            logger.info("cp_kv: sparse model on the shard-aware path: no scratch view "
+                        "(each rank reads its own blocks); KV budget %.1f MiB.",
+                        available / 2**20)
+            return available
         # one scratch per cache layout (MLA latent; sparse models: indexer)
         page_bytes = sum({s.page_size_bytes for s in specs.values()})
         block_size = min(s.block_size for s in specs.values())

@@ -91,6 +91,20 @@ def patch_sparse_indexer() -> None:
     DeepseekV32IndexerCache.get_attn_backend = get_attn_backend
 
 
+def patch_sparse_merge() -> None:
+    """Sparse models on the shard-aware path (item 10, vLLM 0.34): the
+    exchange of the ranks' local top-k (``sparse_dcp.merge_dcp_topk_global``)
+    replaces vLLM's CuteDSL-only merge, which its indexer op looks up by name
+    at every call (idempotent)."""
+    if not _first_time("sparse_merge"):
+        return
+    from vllm.model_executor.layers import sparse_attn_indexer
+
+    from .sparse_dcp import merge_dcp_topk_global
+
+    sparse_attn_indexer._merge_dcp_topk_global = merge_dcp_topk_global
+
+
 # -- 14 ---------------------------------------------------------------------
 def patch_drafter() -> None:
     """Speculative decoding with sharded draft layers (item 14)."""
@@ -175,7 +189,9 @@ def register_worker(vllm_config, v2_runner: bool) -> None:
         patch_forward_context()
     if sharding(vllm_config) and getattr(vllm_config.model_config.hf_text_config,
                                           "index_topk", None):
-        patch_sparse_indexer()
+        from .sparse_dcp import shard_aware_sparse
+
+        patch_sparse_merge() if shard_aware_sparse(vllm_config) else patch_sparse_indexer()
     if sharding(vllm_config) and vllm_config.speculative_config is not None:
         patch_v2_speculator() if v2_runner else patch_drafter()
 

@@ -59,6 +59,18 @@ def chunked_context(layout: dict, a) -> bool:
     return not (layout["indexer"] or a.decode == "materialize" or a.backend == "AMX_MLA")
 
 
+def shard_aware_sparse(layout: dict, a) -> bool:
+    """A sparse model on the shard-aware path (vLLM 0.34, TP, the default
+    decode: ``checks.sparse_shard_aware``): no scratch view at all."""
+    return bool(layout["indexer"]) and a.decode != "materialize" and a.pcp == 1
+
+
+def scratch_kind(layout: dict, a) -> str:
+    if shard_aware_sparse(layout, a):
+        return "none: the shard-aware sparse path"
+    return "the chunked context" if chunked_context(layout, a) else "the whole view"
+
+
 def capacity(a) -> int:
     layout = model_kv_layout(a.model, a.dtype, a.kv_cache_dtype)
     n = shard_group_size(a.tp, a.pcp)
@@ -69,12 +81,15 @@ def capacity(a) -> int:
         budget_bytes=budget, page_bytes=page, num_layers=layout["layers"],
         block_size=a.block_size, shard_size=n, max_num_seqs=a.max_num_seqs,
         max_model_len=max_len, cap_blocks=a.max_scratch_blocks,
-        chunked=chunked_context(layout, a), workspace_tokens=a.workspace_tokens)
+        chunked=chunked_context(layout, a), workspace_tokens=a.workspace_tokens,
+        scratch=not shard_aware_sparse(layout, a))
     if a.json:
         print(json.dumps({**got, "shard_size": n, "pcp": a.pcp, "tp": a.tp,
                           # PCP x TP and a dense FP8 cache need vLLM 0.34
+                          # and the shard-aware sparse path
                           "min_vllm": "0.34" if (a.pcp > 1 and a.tp > 1) or is_dense_fp8(
-                              a.kv_cache_dtype, bool(layout["indexer"])) else "0.32",
+                              a.kv_cache_dtype, bool(layout["indexer"]))
+                          or shard_aware_sparse(layout, a) else "0.32",
                           "budget_bytes": budget,
                           "bytes_per_token": layout["layers"] * (layout["latent"]
                                                                  + layout["indexer"])}))
@@ -86,7 +101,7 @@ def capacity(a) -> int:
     print(f"every rank a full copy:   {got['unsharded']:>14,} tokens")
     print(f"sharded over {n} ranks:     {got['sharded']:>14,} tokens "
           f"({got['ratio']:.2f}x; scratch {got['scratch_blocks']} blocks of one layer, "
-          f"{'the chunked context' if chunked_context(layout, a) else 'the whole view'})")
+          f"{scratch_kind(layout, a)})")
     if a.pcp > 1 and a.tp > 1:
         print(f"note            PCP {a.pcp} x TP {a.tp}: one shard group of {n} ranks; "
               "needs vLLM 0.34 (docs/startup-checks.md, pcp-and-tp)")

@@ -212,14 +212,22 @@ def build_v3_attention(out_dir: str) -> str:
                   device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def build_dsv32(out_dir: str, *, v3_shapes: bool = False, init: float = 0.1) -> str:
+def build_dsv32(out_dir: str, *, v3_shapes: bool = False, init: float = 0.1,
+                max_positions: int = 4096, glm5: bool = False, heads: int = 64) -> str:
     """A DeepSeek-V3.2 (sparse attention, DSA) model with random weights.
 
     Tiny (default): hidden 256, 2 dense layers, 64 heads, q_lora 128, DeepSeek
     head sizes, an indexer of 64 heads x 128 with ``index_topk=512`` (prompts
     longer than 512 tokens attend sparsely). ``v3_shapes``: DeepSeek-V3.2's
     attention and indexer shapes (hidden 7168, 128 heads, q_lora 1536,
-    ``index_topk=2048``), for time-to-first-token runs.
+    ``index_topk=2048``), for time-to-first-token runs. ``max_positions``:
+    the tiny model's context (decode-step runs at 64K need more than 4096).
+    ``heads``: attention heads of the tiny model (vLLM 0.34's FLASHMLA_SPARSE
+    with ``fp8_ds_mla`` runs DCP only below 32 heads a rank and 64 gathered).
+    ``glm5``: the same model as GLM-5 declares it (``model_type
+    glm_moe_dsa``, ``GlmMoeDsaForCausalLM``, which vLLM runs on its
+    DeepSeek-V3.2 code with GLM-5's defaults: fp32 routing, DCP over
+    all-to-all with the query replicated).
 
     Built through DeepSeek-V2's classes (transformers releases without
     DeepSeek-V3.2, as on the GPU machine), plus the indexer weights under
@@ -237,8 +245,8 @@ def build_dsv32(out_dir: str, *, v3_shapes: bool = False, init: float = 0.1) -> 
                     max_position_embeddings=131072)
         index = dict(index_n_heads=64, index_head_dim=128, index_topk=2048)
     else:
-        dims = dict(hidden_size=256, num_attention_heads=64, q_lora_rank=128,
-                    max_position_embeddings=4096)
+        dims = dict(hidden_size=256, num_attention_heads=heads, q_lora_rank=128,
+                    max_position_embeddings=max_positions)
         index = dict(index_n_heads=64, index_head_dim=128, index_topk=512)
     cfg = DeepseekV2Config(
         vocab_size=1024 if v3_shapes else len(tok), intermediate_size=512,
@@ -272,7 +280,8 @@ def build_dsv32(out_dir: str, *, v3_shapes: bool = False, init: float = 0.1) -> 
     with open(path) as f:
         data = json.load(f)
     data = {k: v for k, v in data.items() if v is not None}  # strict configs
-    data.update(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"],
+    data.update(model_type="glm_moe_dsa" if glm5 else "deepseek_v32",
+                architectures=["GlmMoeDsaForCausalLM" if glm5 else "DeepseekV32ForCausalLM"],
                 n_group=1, topk_group=1, **index)
     with open(path, "w") as f:
         json.dump(data, f, indent=2)

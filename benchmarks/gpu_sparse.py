@@ -1,0 +1,314 @@
+"""The shard-aware sparse path (issue 49) on the one-GPU harness, vLLM 0.34:
+its runs as a table, the checks apart, JSON and a plot.
+
+Usage (on the GPU machine, after staging: docs/gpu-testing.md):
+
+    python3 benchmarks/gpu_sparse.py OUT --runs GROUP [--budget-s S --parallel P]
+    python3 benchmarks/gpu_sparse.py OUT --summarize      # here too: checks + plot
+
+Runs (a tiny DeepSeek-V3.2, 64 heads, ``index_topk`` 512, prompts up to
+about 1,700 tokens so the sparse selection matters; TP=2 on one H200 with
+real NCCL between the ranks), each backend (``fas`` FLASH_ATTN_MLA_SPARSE
+bf16, ``fms`` FLASHMLA_SPARSE with ``fp8_ds_mla``):
+
+* ``tp2-K-shard`` (sharded, vLLM's default CUDA graphs) against
+  ``tp2-K-plain`` (unsharded TP=2, graphs), within the floor of two
+  unsharded layouts (``tp2-K-plain`` against ``tp1-K-plain``); capacity;
+  each rank's owned writes (poisoned caches);
+* ``tp2-K-debug``: eager with the debug switch (the ranks' merged top-k
+  identical, positions distinct);
+* ``tp2-K-dump-{plain,shard}``: eager, the top-k rows of the first decode
+  steps of every layer, as sets: the merged global top-k against vLLM's
+  unsharded one;
+* ``tp2-fas-time-{plain,shard}``: decode step (8 requests) at 2K, 16K and 64K
+  tokens of context, graphs: the sharded over unsharded ratio must stay flat
+  (the harness's collectives cost the same at every context);
+* ``tp2-glm5-{plain,shard}``: the same model declared as GLM-5
+  (``GlmMoeDsaForCausalLM``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import gpu_onegpu as onegpu
+import gpu_vllm_checks as checks
+from common import pyplot, result_dir, save_figure, write_json
+from vllm_cp_kv.tools import tiny_model
+
+TP1, TP2 = ["--tp", "1"], ["--tp", "2"]
+BACKENDS = {"fas": ["--backend", "FLASH_ATTN_MLA_SPARSE"],
+            "fms": ["--backend", "FLASHMLA_SPARSE", "--kv-cache-dtype", "fp8_ds_mla"],
+            "fmb": ["--backend", "FLASHMLA_SPARSE"]}
+# vLLM 0.34's FLASHMLA_SPARSE runs DCP with an fp8_ds_mla cache only below 32
+# heads a rank and 64 gathered (its own check): that backend's runs use a
+# 32-head model (16 a rank under TP=2); its unsharded TP=2 baseline without
+# vLLM's ShardQ, whose symmetric memory needs one GPU a rank (the harness
+# puts both on one)
+MODEL = {"fas": "dsv32", "fms": "dsv32-h32", "fmb": "dsv32"}
+NO_SHARDQ = {"fms": ["--attention-config", '{"sparse_mla_shard_q": false}']}
+PREFIX = ["--suffix-len", "24"]
+GEN = ["--prompt-repeat", "3", "--max-model-len", "4096"]
+PLAIN, SHARD = ["--no-plugin"], onegpu.SHARD
+GRAPHS, DEBUG = onegpu.GRAPHS, onegpu.DEBUG
+CONTEXTS = (2000, 16000, 64000)
+TIMED = ["--max-model-len", "66000", "--num-prompts", "1", "--max-tokens", "4",
+         "--time-decode", "48", "--time-contexts", ",".join(map(str, CONTEXTS))]
+
+
+def runs() -> dict:
+    """name -> (model, args, harness on, env), as ``gpu_onegpu.runs``."""
+    r = {}
+    for k, be in BACKENDS.items():
+        m = MODEL[k]
+        r[f"tp1-{k}-plain"] = (m, TP1 + be + GEN + GRAPHS + PLAIN, False, {})
+        plain = PLAIN + NO_SHARDQ.get(k, [])
+        r[f"tp2-{k}-plain"] = (m, TP2 + be + GEN + GRAPHS + plain, True, {})
+        r[f"tp2-{k}-shard"] = (m, TP2 + be + GEN + GRAPHS + SHARD, True, {})
+        r[f"tp2-{k}-debug"] = (m, TP2 + be + GEN + SHARD, True, DEBUG)
+        for v, extra in (("plain", plain), ("shard", ["--shard"])):
+            r[f"tp2-{k}-dump-{v}"] = (m, TP2 + be + GEN + extra + [
+                "--num-prompts", "4", "--max-tokens", "4", "--dump-topk", f"DUMP/tp2-{k}-{v}"],
+                True, {})
+    for v, extra in (("plain", PLAIN), ("shard", SHARD)):  # 4 ranks, 16 heads each
+        r[f"tp4-fas-{v}"] = ("dsv32", ["--tp", "4"] + BACKENDS["fas"] + GEN + GRAPHS + extra,
+                             True, {})
+    # vLLM's own DCP sparse path (no plugin): its top-k merge needs CuteDSL
+    r["tp2-fms-vllmdcp"] = ("dsv32-h32", TP2 + ["--dcp", "2"] + BACKENDS["fms"] + GEN + GRAPHS
+                            + PLAIN, True, {})
+    fas = TP2 + BACKENDS["fas"] + GEN + PREFIX + GRAPHS
+    r["tp2-fas-prefix-plain"] = ("dsv32", fas + PLAIN + ["--waves", "2"], True, {})
+    r["tp2-fas-prefix-shard"] = ("dsv32", fas + [
+        "--shard", "--waves", "3", "--poison", "--corrupt-between-waves", "--corrupt-index",
+        "20", "--stats"], True, {})
+    for v, extra in (("plain", PLAIN), ("shard", SHARD)):
+        r[f"tp2-fas-time-{v}"] = ("dsv32-64k", TP2 + BACKENDS["fas"] + TIMED + GRAPHS + extra,
+                                  True, {})
+        r[f"tp2-glm5-{v}"] = ("glm5", TP2 + BACKENDS["fas"] + GEN + GRAPHS + extra, True, {})
+    return r
+
+
+GROUPS = {
+    "sa": [f"tp{t}-{k}-{v}" for k in BACKENDS for t, v in ((1, "plain"), (2, "plain"),
+                                                             (2, "shard"), (2, "debug"))],
+    "sa-dump": [f"tp2-{k}-dump-{v}" for k in BACKENDS for v in ("plain", "shard")],
+    "sa-time": ["tp2-fas-time-plain", "tp2-fas-time-shard"],
+    "sa-glm5": ["tp2-glm5-plain", "tp2-glm5-shard"],
+    "sa-prefix": ["tp2-fas-prefix-plain", "tp2-fas-prefix-shard"],
+    "sa-tp4": ["tp4-fas-plain", "tp4-fas-shard"],
+    "sa-vllm": ["tp2-fms-vllmdcp"],
+}
+GROUPS["all"] = [n for g in ("sa", "sa-dump", "sa-time", "sa-glm5", "sa-prefix", "sa-tp4")
+                 for n in GROUPS[g]]
+
+
+def model_dir(kind: str) -> str:
+    """``dsv32`` as the other GPU checks build it; ``dsv32-64k`` with 70K
+    positions (decode steps at 64K); ``glm5`` the same model as GLM-5."""
+    if kind == "dsv32-64k":
+        return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), max_positions=70000)
+    if kind == "glm5":
+        return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), glm5=True)
+    if kind == "dsv32-h32":
+        return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), heads=32)
+    return checks.model_dir(kind)
+
+
+# -- checks -------------------------------------------------------------------
+def topk_sets(out: str, name: str) -> list | None:
+    """The dumped top-k records of rank 0 (every rank holds the same merged
+    rows)."""
+    import torch
+
+    path = os.path.join(out, "dumps", f"{name.split('-dump-')[0]}-"
+                        f"{name.split('-dump-')[1]}.rank0.pt")
+    return torch.load(path) if os.path.exists(path) else None
+
+
+def dump_check(out_dir: str, k: str) -> dict:
+    """Per record (layer, decode step): rows whose sets equal the unsharded
+    run's, and the mean overlap of the rest."""
+    a, b = (topk_sets(out_dir, f"tp2-{k}-dump-{v}") for v in ("shard", "plain"))
+    if not a or not b:
+        return {"ok": False, "why": "a dump is missing"}
+    same = rows = 0
+    overlap = []
+    per_layer = {}
+    for x, y in zip(a, b):
+        n = min(x["rows"].shape[0], y["rows"].shape[0])
+        for i in range(n):
+            sx = set(x["rows"][i].tolist()) - {-1}
+            sy = set(y["rows"][i].tolist()) - {-1}
+            eq = sx == sy
+            same += eq
+            rows += 1
+            overlap.append(len(sx & sy) / max(len(sx | sy), 1))
+            layer = per_layer.setdefault(x["layer"], [0, 0])
+            layer[0] += eq
+            layer[1] += 1
+    first = per_layer[a[0]["layer"]] if a else [0, 0]
+    return {"ok": rows > 0 and first[0] == first[1], "records": min(len(a), len(b)),
+            "rows_identical": same, "rows": rows,
+            "mean_jaccard": round(sum(overlap) / max(len(overlap), 1), 4),
+            "per_layer_identical": per_layer}
+
+
+def prefix_check(results) -> dict:
+    """Prefix hits (wave 2 reads a cached context), and one owned block
+    corrupted before wave 3 changes its tokens (wave 3 repeats wave 2)."""
+    s, b = (onegpu._ok(results, f"tp2-fas-prefix-{v}") for v in ("shard", "plain"))
+    if not (s and b):
+        return {"ok": False, "why": "a prefix run is missing or failed"}
+    same = [onegpu.agreement(x["tokens"], x["logprobs"], y["tokens"], y["logprobs"])
+            for x, y in zip(s["waves"][:2], b["waves"][:2])]
+    hits = [w.get("prefix_cache_hits") for w in s["waves"]]
+    changed = s["waves"][2]["tokens"] != s["waves"][1]["tokens"]
+    return {"ok": hits[0] == 0 and bool(hits[1]) and changed, "agreement_per_wave": same,
+            "hits_sharded": hits, "corruption_changed_wave3": changed,
+            "hits_unsharded": [w.get("prefix_cache_hits") for w in b["waves"]]}
+
+
+def time_check(results) -> dict:
+    """Sharded over unsharded decode step at each context; flat means the
+    step moves no context: 16K and 64K no more over unsharded than 2K
+    (10% for the harness's noise)."""
+    t = {v: (onegpu._ok(results, f"tp2-fas-time-{v}") or {}).get("decode_steps")
+         for v in ("plain", "shard")}
+    if not all(t.values()):
+        return {"ok": False, "why": "a timing run is missing"}
+    ms = {v: {str(s["context"]): round(1000 * s["seconds_per_step"], 2) for s in t[v]}
+          for v in t}
+    ratio = {c: round(ms["shard"][c] / ms["plain"][c], 3) for c in ms["plain"]}
+    base = ratio[str(CONTEXTS[0])]
+    return {"ok": all(r <= 1.10 * base for r in ratio.values()), "ms_per_step": ms,
+            "sharded_over_unsharded": ratio, "bytes_per_step": step_bytes()}
+
+
+def step_bytes(rows: int = 8, layers: int = 2, heads: int = 64, k: int = 512,
+               n: int = 2) -> dict:
+    """What one sharded decode step receives per rank, from the shapes (a
+    replayed graph runs no Python to count): per layer and row the other
+    ranks' top-k keys (8 bytes a candidate), the query heads of the other
+    ranks (576 bf16 values a head), their LSEs (fp32) and the
+    reduce-scattered partial outputs (512 bf16 values a head). None of it
+    depends on the context."""
+    per_row = (n - 1) * (k * 8 + heads // n * 576 * 2 + heads * 4 + heads // n * 512 * 2)
+    return {"per_step": rows * layers * per_row, "depends_on_context": False,
+            "rows": rows, "layers": layers}
+
+
+def compare(results, out_dir: str) -> dict:
+    out = {}
+    for k in BACKENDS:
+        floor = onegpu.agree(results, f"tp2-{k}-plain", f"tp1-{k}-plain")
+        c = onegpu.pair(out, f"tp2-{k}-shard-graphs", results, f"tp2-{k}-shard",
+                        f"tp2-{k}-plain", 2, 1.95)
+        if c:
+            c["floor_tp2_vs_tp1_unsharded"] = floor
+            verdict(c, floor)
+        d = onegpu._ok(results, f"tp2-{k}-debug")
+        out[f"tp2-{k}-debug"] = {"ok": bool(d and d["debug_invariants_hold"]),
+                                 "rc": (results.get(f"tp2-{k}-debug") or {}).get("rc")}
+        if any(n.startswith(f"tp2-{k}-dump") for n in results):
+            out[f"tp2-{k}-topk-sets"] = dump_check(out_dir, k)
+    if "tp4-fas-shard" in results:
+        c = onegpu.pair(out, "tp4-fas-shard-graphs", results, "tp4-fas-shard",
+                        "tp4-fas-plain", 4, 3.9)
+        if c:
+            c["floor_tp4_vs_tp1_unsharded"] = onegpu.agree(results, "tp4-fas-plain",
+                                                           "tp1-fas-plain")
+            verdict(c, c["floor_tp4_vs_tp1_unsharded"], 3.9)
+    if "tp2-fas-prefix-shard" in results:
+        out["prefix-tp2-fas"] = prefix_check(results)
+    if "tp2-fas-time-plain" in results:
+        out["decode-step-vs-context"] = time_check(results)
+    if "tp2-fms-vllmdcp" in results:  # informational: what vLLM's own DCP does here
+        r = results["tp2-fms-vllmdcp"]
+        why = [line.strip() for line in (r.get("log_tail") or "").splitlines()
+               if "RuntimeError" in line][-1:]
+        out["vllm-own-dcp-fms"] = {"ok": None, "rc": r.get("rc"), "error": why,
+                                   "capacity_tokens": r.get("capacity_tokens")}
+    if "tp2-glm5-shard" in results:
+        c = onegpu.pair(out, "tp2-glm5-shard-graphs", results, "tp2-glm5-shard",
+                        "tp2-glm5-plain", 2, 1.95)
+        if c:  # the floor of the same model declared as DeepSeek-V3.2
+            verdict(c, onegpu.agree(results, "tp2-fas-plain", "tp1-fas-plain"))
+    return out
+
+
+def verdict(c: dict, floor: dict | None, capacity: float = 1.95) -> None:
+    """A sharded graphs run: capacity at least 1.95x, each rank wrote its
+    owned rows only (where the poisoned caches were read), tokens within
+    the floor of two unsharded layouts."""
+    c["within_noise_floor"] = onegpu.within_floor(c["agreement"], floor)
+    c["ok"] = (c["capacity_ratio"] >= capacity and c.get("owned_writes_ok", True)
+               and c["within_noise_floor"])
+
+
+def plot(out_dir: str, cks: dict) -> None:
+    plt = pyplot(optional=True)
+    t = cks.get("decode-step-vs-context") or {}
+    if plt is None or "ms_per_step" not in t:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    ctx = [int(c) for c in t["ms_per_step"]["plain"]]
+    for v in ("plain", "shard"):
+        ax[0].plot(ctx, list(t["ms_per_step"][v].values()), "o-",
+                   label={"plain": "unsharded TP=2", "shard": "sharded TP=2"}[v])
+    ax[0].set(xscale="log", xlabel="context (tokens)", ylabel="decode step (ms)",
+              title="8 requests, graphs, one H200 (NCCL harness)", ylim=(0, None))
+    ax[0].legend()
+    ax[1].plot(ctx, list(t["sharded_over_unsharded"].values()), "o-")
+    ax[1].set(xscale="log", xlabel="context (tokens)", ylabel="sharded / unsharded",
+              title="shard-aware sparse decode: flat = no context moved", ylim=(0, None))
+    for a in ax:
+        a.set_xticks(ctx, [f"{c // 1000}K" for c in ctx])
+        a.minorticks_off()
+    save_figure(fig, os.path.join(out_dir, "sparse.png"))
+
+
+def report(out_dir: str, results: dict) -> None:
+    cks = compare(results, out_dir)
+    write_json(os.path.join(out_dir, "summary.json"), {"runs": results, "checks": cks})
+    write_json(os.path.join(out_dir, "checks.json"), cks)
+    plot(out_dir, cks)
+    print("\ncheck | ok | figures")
+    for key, c in cks.items():
+        figs = {x: c[x] for x in ("capacity_ratio", "within_noise_floor", "rows_identical",
+                                  "rows", "sharded_over_unsharded", "why", "rc") if x in c}
+        if "agreement" in c:
+            figs["identical"] = f"{c['agreement']['identical']}/{c['agreement']['of']}"
+            figs["mean_first_diff"] = c["agreement"]["mean_first_diff"]
+        if c.get("floor_tp2_vs_tp1_unsharded"):
+            f = c["floor_tp2_vs_tp1_unsharded"]
+            figs["floor"] = f"{f['identical']}/{f['of']} {f['mean_first_diff']}"
+        print(f"{key} | {c.get('ok')} | {json.dumps(figs)}")
+    print("wall_s per run:", {n: r.get("wall_s") for n, r in results.items()})
+
+
+def main() -> None:
+    a = onegpu.matrix_arguments(timeout=300).parse_args()
+    checks.OUT_DIR[0] = a.out
+    result_dir(a.out)
+    os.makedirs(os.path.join(a.out, "dumps"), exist_ok=True)
+    path = os.path.join(a.out, "summary.json")
+    results = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            results = json.load(f)["runs"]
+    if a.summarize:
+        return report(a.out, results)
+    onegpu.model_dir = model_dir  # run_one builds the models through it
+    table = {name: (kind, [x.replace("DUMP", os.path.join(a.out, "dumps")) for x in args],
+                    harness, env) for name, (kind, args, harness, env) in runs().items()}
+    names = [n for part in a.runs.split(",") for n in GROUPS.get(part, [part])]
+    for kind in {table[n][0] for n in names}:
+        model_dir(kind)
+    onegpu.run_table(table, names, a, results, path)
+    report(a.out, results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
