@@ -75,6 +75,12 @@ def runs() -> dict:
     for v, extra in (("plain", PLAIN), ("shard", SHARD)):  # 4 ranks, 16 heads each
         r[f"tp4-fas-{v}"] = ("dsv32", ["--tp", "4"] + BACKENDS["fas"] + GEN + GRAPHS + extra,
                              True, {})
+    # MTP k=2 (DeepSeek-V3.2 ships an MTP layer): verification rows of 3 tokens
+    mtp = TP2 + BACKENDS["fas"] + GEN + ["--spec", json.dumps(
+        {"method": "mtp", "num_speculative_tokens": 2})]
+    r["tp2-fas-mtp-plain"] = ("dsv32-mtp", mtp + GRAPHS + PLAIN, True, {})
+    r["tp2-fas-mtp-shard"] = ("dsv32-mtp", mtp + GRAPHS + SHARD, True, {})
+    r["tp2-fas-mtp-debug"] = ("dsv32-mtp", mtp + SHARD, True, DEBUG)
     # vLLM's own DCP sparse path (no plugin): its top-k merge needs CuteDSL
     r["tp2-fms-vllmdcp"] = ("dsv32-h32", TP2 + ["--dcp", "2"] + BACKENDS["fms"] + GEN + GRAPHS
                             + PLAIN, True, {})
@@ -99,6 +105,7 @@ GROUPS = {
     "sa-prefix": ["tp2-fas-prefix-plain", "tp2-fas-prefix-shard"],
     "sa-tp4": ["tp4-fas-plain", "tp4-fas-shard"],
     "sa-vllm": ["tp2-fms-vllmdcp"],
+    "sa-mtp": ["tp2-fas-mtp-plain", "tp2-fas-mtp-shard", "tp2-fas-mtp-debug"],
 }
 GROUPS["all"] = [n for g in ("sa", "sa-dump", "sa-time", "sa-glm5", "sa-prefix", "sa-tp4")
                  for n in GROUPS[g]]
@@ -111,6 +118,8 @@ def model_dir(kind: str) -> str:
         return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), max_positions=70000)
     if kind == "glm5":
         return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), glm5=True)
+    if kind == "dsv32-mtp":
+        return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), mtp=True)
     if kind == "dsv32-h32":
         return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), heads=32)
     return checks.model_dir(kind)
@@ -226,16 +235,47 @@ def compare(results, out_dir: str) -> dict:
         out["decode-step-vs-context"] = time_check(results)
     if "tp2-fms-vllmdcp" in results:  # informational: what vLLM's own DCP does here
         r = results["tp2-fms-vllmdcp"]
-        why = [line.strip() for line in (r.get("log_tail") or "").splitlines()
-               if "RuntimeError" in line][-1:]
-        out["vllm-own-dcp-fms"] = {"ok": None, "rc": r.get("rc"), "error": why,
+        out["vllm-own-dcp-fms"] = {"ok": None, "rc": r.get("rc"), "error": _error(r),
                                    "capacity_tokens": r.get("capacity_tokens")}
+    if "tp2-fas-mtp-shard" in results:  # the floor: the model without its MTP layer's
+        floor = onegpu.agree(results, "tp2-fas-plain", "tp1-fas-plain")
+        for mode, run in (("graphs", "tp2-fas-mtp-shard"), ("eager-debug", "tp2-fas-mtp-debug")):
+            c = onegpu.pair(out, f"tp2-fas-mtp2-{mode}", results, run, "tp2-fas-mtp-plain",
+                            2, 1.95)
+            if c:
+                mtp_rows(c, results[run])
+                verdict(c, floor)
+                c["ok"] = c["ok"] and (mode == "graphs" or c["debug_invariants_hold"])
+                c["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode")
+                                      for v in ("tp2-fas-mtp-plain", run)}
+            else:  # graphs: refused at startup since (row spec-sparse-graphs)
+                out[f"tp2-fas-mtp2-{mode}"]["error"] = _error(results.get(run) or {})
     if "tp2-glm5-shard" in results:
         c = onegpu.pair(out, "tp2-glm5-shard-graphs", results, "tp2-glm5-shard",
                         "tp2-glm5-plain", 2, 1.95)
         if c:  # the floor of the same model declared as DeepSeek-V3.2
             verdict(c, onegpu.agree(results, "tp2-fas-plain", "tp1-fas-plain"))
     return out
+
+
+def mtp_rows(c: dict, run: dict, k: int = 2) -> None:
+    """With MTP the latent rows each rank wrote are its owned rows of every
+    kept token and at most ``k`` more a request (drafts written past the
+    tokens kept; ``gpu_onegpu.mtp_rows_ok`` for the dense model): the
+    exact count ``pair`` checks does not hold with drafts."""
+    want = c.get("owned_rows_expected") or []
+    got = [[n for width, n in layers if width != checks.INDEXER_ROW]
+           for layers in c.get("written") or []]
+    extra = [g[0] - w if len(g) == 1 else -1 for g, w in zip(got, want)]
+    c["rows_past_the_kept_tokens"] = extra
+    c["owned_writes_ok"] = bool(extra) and all(
+        0 <= e <= k * len(run["prompt_lens"]) for e in extra)
+
+
+def _error(run: dict) -> list:
+    """The last error line of a failed run's log tail."""
+    return [line.strip()[:300] for line in (run.get("log_tail") or "").splitlines()
+            if "Error" in line][-1:]
 
 
 def verdict(c: dict, floor: dict | None, capacity: float = 1.95) -> None:

@@ -213,6 +213,28 @@ def test_row_sparse_graphs(dsv32_model, monkeypatch):
         assert any(m in str(info.value) for m in DOC["sparse-graphs"])
 
 
+def test_row_spec_sparse_graphs(dsv32_model, monkeypatch):
+    """MTP with a sparse model in CUDA graphs (its crash on the H200):
+    refused even where the shard-aware path admits graphs; eager admitted."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_cp_kv.integration.checks import check_engine_args
+    from vllm_cp_kv.integration.options import CPKVOptions
+
+    checks = checks_module()
+    monkeypatch.setattr(checks, "_on_gpu", lambda: True)
+    monkeypatch.setattr(checks, "_before_034", lambda release: None)  # read as 0.34
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    args = EngineArgs(model=dsv32_model, tensor_parallel_size=2, enforce_eager=False,
+                      speculative_config=spec)
+    with pytest.raises(ValueError) as info:
+        check_engine_args(args, CPKVOptions(enable=True))
+    assert any(m in str(info.value) for m in DOC["spec-sparse-graphs"])
+    args = EngineArgs(model=dsv32_model, tensor_parallel_size=2, enforce_eager=True,
+                      speculative_config=spec)
+    check_engine_args(args, CPKVOptions(enable=True))  # eager: admitted
+
+
 def test_row_spec_pcp_graphs(tiny_dsv2, monkeypatch):
     """Speculation under PCP (TP 1, or PCP x TP on vLLM 0.34, the release
     read as 0.34 here) needs --enforce-eager: vLLM 0.34's own PCP fails with

@@ -147,6 +147,18 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             "its decode reads a full view planned per batch) have not been verified; "
             "add --enforce-eager, or use vLLM 0.34 with TP and the default decode "
             "(the shard-aware sparse path, docs/sparse.md), or disable cp_kv.")
+    if _on_gpu() and not args.enforce_eager and args.speculative_config and \
+            getattr(model_config.hf_text_config, "index_topk", None):
+        # ran eager within the floor with the debug checks held; in CUDA
+        # graphs the sharded MTP run failed on the H200 with an illegal
+        # memory access, not yet diagnosed
+        # (benchmarks/results/h200x1-2026-12-04-sparse-shard-aware)
+        raise CPKVConfigError(
+            "cp_kv: speculative decoding with a sparse-attention (DeepSeek-V3.2) model "
+            "and sharded KV needs --enforce-eager: in CUDA graphs it failed on the H200 "
+            "(an illegal memory access, not yet diagnosed); eager it matches the "
+            "unsharded run (docs/sparse.md). Add --enforce-eager, or remove "
+            "--speculative-config.")
     if options.prefetch and getattr(model_config.hf_text_config, "index_topk", None):
         raise CPKVConfigError(
             "cp_kv: prefetch is for dense MLA models; a sparse-attention model reads "

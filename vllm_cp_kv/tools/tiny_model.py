@@ -213,7 +213,8 @@ def build_v3_attention(out_dir: str) -> str:
 
 
 def build_dsv32(out_dir: str, *, v3_shapes: bool = False, init: float = 0.1,
-                max_positions: int = 4096, glm5: bool = False, heads: int = 64) -> str:
+                max_positions: int = 4096, glm5: bool = False, heads: int = 64,
+                mtp: bool = False) -> str:
     """A DeepSeek-V3.2 (sparse attention, DSA) model with random weights.
 
     Tiny (default): hidden 256, 2 dense layers, 64 heads, q_lora 128, DeepSeek
@@ -224,6 +225,10 @@ def build_dsv32(out_dir: str, *, v3_shapes: bool = False, init: float = 0.1,
     the tiny model's context (decode-step runs at 64K need more than 4096).
     ``heads``: attention heads of the tiny model (vLLM 0.34's FLASHMLA_SPARSE
     with ``fp8_ds_mla`` runs DCP only below 32 heads a rank and 64 gathered).
+    ``mtp``: one MTP layer as DeepSeek-V3.2 ships it (``model.layers.2.*``:
+    a DSA decoder layer with its own indexer, plus ``enorm``, ``hnorm``,
+    ``eh_proj`` and ``shared_head``; random, so its drafts are rarely
+    accepted, but every decode step verifies 1 + k tokens a row).
     ``glm5``: the same model as GLM-5 declares it (``model_type
     glm_moe_dsa``, ``GlmMoeDsaForCausalLM``, which vLLM runs on its
     DeepSeek-V3.2 code with GLM-5's defaults: fp32 routing, DCP over
@@ -251,7 +256,7 @@ def build_dsv32(out_dir: str, *, v3_shapes: bool = False, init: float = 0.1,
     cfg = DeepseekV2Config(
         vocab_size=1024 if v3_shapes else len(tok), intermediate_size=512,
         moe_intermediate_size=128,
-        num_hidden_layers=2, first_k_dense_replace=2,
+        num_hidden_layers=3 if mtp else 2, first_k_dense_replace=3 if mtp else 2,
         num_key_value_heads=dims["num_attention_heads"], kv_lora_rank=512,
         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, head_dim=64,
         n_routed_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
@@ -274,12 +279,21 @@ def build_dsv32(out_dir: str, *, v3_shapes: bool = False, init: float = 0.1,
                         p + "k_norm.weight": torch.ones(dim, dtype=torch.bfloat16),
                         p + "k_norm.bias": torch.zeros(dim, dtype=torch.bfloat16),
                         p + "weights_proj.weight": rand(heads, hidden)})
+    if mtp:  # the MTP block's own parts (its decoder layer is layers.2)
+        weights.update({f"model.layers.2.{name}": t for name, t in {
+            "enorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            "hnorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            "eh_proj.weight": rand(hidden, 2 * hidden),
+            "shared_head.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            "shared_head.head.weight": rand(cfg.vocab_size, hidden)}.items()})
     save_file(weights, os.path.join(out_dir, "indexer.safetensors"))
     _add_to_index(out_dir, "indexer.safetensors", weights)
     path = os.path.join(out_dir, "config.json")
     with open(path) as f:
         data = json.load(f)
     data = {k: v for k, v in data.items() if v is not None}  # strict configs
+    if mtp:
+        data.update(num_hidden_layers=2, num_nextn_predict_layers=1)
     data.update(model_type="glm_moe_dsa" if glm5 else "deepseek_v32",
                 architectures=["GlmMoeDsaForCausalLM" if glm5 else "DeepseekV32ForCausalLM"],
                 n_group=1, topk_group=1, **index)
