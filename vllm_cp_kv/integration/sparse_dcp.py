@@ -48,11 +48,6 @@ from .options import debug_enabled, options_of
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
-# the sparse backends the shard-aware path runs (FLASHMLA_SPARSE as vLLM
-# ships it; FLASH_ATTN_MLA_SPARSE with its LSE, below)
-SHARD_AWARE_SPARSE_BACKENDS = ("FLASH_ATTN_MLA_SPARSE", "FLASHMLA_SPARSE")
-
-
 def shard_aware_sparse(vllm_config) -> bool:
     """Whether a sparse model's layers take the shard-aware path: vLLM 0.34
     or later on GPU (its DCP sparse layers), sharding over TP (PCP keeps the
