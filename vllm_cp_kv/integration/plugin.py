@@ -62,7 +62,7 @@ Why each is needed:
     LSE), with the plugin's exchange of the ranks' top-k candidates in place
     of vLLM's CuteDSL-only ``_merge_dcp_topk_global`` and, for
     FLASH_ATTN_MLA_SPARSE, the kernel's LSE (``sparse_dcp.py``). On vLLM
-    0.32, or with ``cp_kv.decode = "materialize"``: the indexer cache's
+    0.32, under PCP, or with ``cp_kv.decode = "materialize"``: the indexer cache's
     builder plans with the latent and sees the full view, and vLLM's indexer
     op runs on the full view (``sparse.py``).
 11. TRITON_MLA's decode allocates its LSE in the model dtype; a bf16 LSE of
