@@ -126,20 +126,19 @@ def model_dir(kind: str) -> str:
 
 
 # -- checks -------------------------------------------------------------------
-def topk_sets(out: str, name: str) -> list | None:
-    """The dumped top-k records of rank 0 (every rank holds the same merged
-    rows)."""
+def topk_sets(out: str, dump: str) -> list | None:
+    """The top-k records rank 0 dumped under ``dumps/DUMP`` (every rank
+    holds the same merged rows)."""
     import torch
 
-    path = os.path.join(out, "dumps", f"{name.split('-dump-')[0]}-"
-                        f"{name.split('-dump-')[1]}.rank0.pt")
+    path = os.path.join(out, "dumps", f"{dump}.rank0.pt")
     return torch.load(path) if os.path.exists(path) else None
 
 
 def dump_check(out_dir: str, k: str) -> dict:
     """Per record (layer, decode step): rows whose sets equal the unsharded
     run's, and the mean overlap of the rest."""
-    a, b = (topk_sets(out_dir, f"tp2-{k}-dump-{v}") for v in ("shard", "plain"))
+    a, b = (topk_sets(out_dir, f"tp2-{k}-{v}") for v in ("shard", "plain"))
     if not a or not b:
         return {"ok": False, "why": "a dump is missing"}
     same = rows = 0
@@ -210,8 +209,8 @@ def step_bytes(rows: int = 8, layers: int = 2, heads: int = 64, k: int = 512,
 
 def compare(results, out_dir: str) -> dict:
     out = {}
-    for k in BACKENDS:
-        floor = onegpu.agree(results, f"tp2-{k}-plain", f"tp1-{k}-plain")
+    floors = {k: onegpu.agree(results, f"tp2-{k}-plain", f"tp1-{k}-plain") for k in BACKENDS}
+    for k, floor in floors.items():
         c = onegpu.pair(out, f"tp2-{k}-shard-graphs", results, f"tp2-{k}-shard",
                         f"tp2-{k}-plain", 2, 1.95)
         if c:
@@ -238,13 +237,12 @@ def compare(results, out_dir: str) -> dict:
         out["vllm-own-dcp-fms"] = {"ok": None, "rc": r.get("rc"), "error": _error(r),
                                    "capacity_tokens": r.get("capacity_tokens")}
     if "tp2-fas-mtp-shard" in results:  # the floor: the model without its MTP layer's
-        floor = onegpu.agree(results, "tp2-fas-plain", "tp1-fas-plain")
         for mode, run in (("graphs", "tp2-fas-mtp-shard"), ("eager-debug", "tp2-fas-mtp-debug")):
             c = onegpu.pair(out, f"tp2-fas-mtp2-{mode}", results, run, "tp2-fas-mtp-plain",
                             2, 1.95)
             if c:
                 mtp_rows(c, results[run])
-                verdict(c, floor)
+                verdict(c, floors["fas"])
                 c["ok"] = c["ok"] and (mode == "graphs" or c["debug_invariants_hold"])
                 c["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode")
                                       for v in ("tp2-fas-mtp-plain", run)}
@@ -254,22 +252,17 @@ def compare(results, out_dir: str) -> dict:
         c = onegpu.pair(out, "tp2-glm5-shard-graphs", results, "tp2-glm5-shard",
                         "tp2-glm5-plain", 2, 1.95)
         if c:  # the floor of the same model declared as DeepSeek-V3.2
-            verdict(c, onegpu.agree(results, "tp2-fas-plain", "tp1-fas-plain"))
+            verdict(c, floors["fas"])
     return out
 
 
-def mtp_rows(c: dict, run: dict, k: int = 2) -> None:
-    """With MTP the latent rows each rank wrote are its owned rows of every
-    kept token and at most ``k`` more a request (drafts written past the
-    tokens kept; ``gpu_onegpu.mtp_rows_ok`` for the dense model): the
-    exact count ``pair`` checks does not hold with drafts."""
-    want = c.get("owned_rows_expected") or []
-    got = [[n for width, n in layers if width != checks.INDEXER_ROW]
-           for layers in c.get("written") or []]
-    extra = [g[0] - w if len(g) == 1 else -1 for g, w in zip(got, want)]
-    c["rows_past_the_kept_tokens"] = extra
-    c["owned_writes_ok"] = bool(extra) and all(
-        0 <= e <= k * len(run["prompt_lens"]) for e in extra)
+def mtp_rows(c: dict, run: dict) -> None:
+    """With MTP the exact count ``pair`` checks does not hold (drafts are
+    written past the tokens kept): the latent rows each rank wrote, checked
+    as for the dense model (``gpu_onegpu.mtp_rows_ok``)."""
+    c["written_rows"] = [[n for width, n in layers if width != checks.INDEXER_ROW]
+                         for layers in c.get("written") or []]
+    c["owned_writes_ok"] = onegpu.mtp_rows_ok(c, run)
 
 
 def _error(run: dict) -> list:

@@ -133,33 +133,11 @@ def check_engine_args(args, options: CPKVOptions) -> None:
     # with a message that does not mention cp_kv.
     model_config = args.create_model_config()
     check_model(model_config)
-    check_kv_cache_dtype(str(getattr(args, "kv_cache_dtype", None) or "auto"),
-                         bool(getattr(model_config.hf_text_config, "index_topk", None)))
-    if _on_gpu() and not args.enforce_eager and \
-            getattr(model_config.hf_text_config, "index_topk", None) and \
-            not sparse_shard_aware(options, pcp):
-        # the materializing path: vLLM would run it PIECEWISE (the sharded
-        # builders declare no full-graph support), but no such run has been
-        # checked; under PCP vLLM 0.32 refuses graphs for sparse MLA itself
-        raise CPKVConfigError(
-            "cp_kv: CUDA graphs with a sparse-attention (DeepSeek-V3.2) model on the "
-            "materializing path (vLLM before 0.34, PCP, or cp_kv.decode='materialize': "
-            "its decode reads a full view planned per batch) have not been verified; "
-            "add --enforce-eager, or use vLLM 0.34 with TP and the default decode "
-            "(the shard-aware sparse path, docs/sparse.md), or disable cp_kv.")
-    if _on_gpu() and not args.enforce_eager and args.speculative_config and \
-            getattr(model_config.hf_text_config, "index_topk", None):
-        # ran eager within the floor with the debug checks held; in CUDA
-        # graphs the sharded MTP run failed on the H200 with an illegal
-        # memory access, not yet diagnosed
-        # (benchmarks/results/h200x1-2026-12-04-sparse-shard-aware)
-        raise CPKVConfigError(
-            "cp_kv: speculative decoding with a sparse-attention (DeepSeek-V3.2) model "
-            "and sharded KV needs --enforce-eager: in CUDA graphs it failed on the H200 "
-            "(an illegal memory access, not yet diagnosed); eager it matches the "
-            "unsharded run (docs/sparse.md). Add --enforce-eager, or remove "
-            "--speculative-config.")
-    if options.prefetch and getattr(model_config.hf_text_config, "index_topk", None):
+    sparse = bool(getattr(model_config.hf_text_config, "index_topk", None))
+    check_kv_cache_dtype(str(getattr(args, "kv_cache_dtype", None) or "auto"), sparse)
+    if sparse and _on_gpu() and not args.enforce_eager:
+        check_sparse_graphs(options, pcp, bool(args.speculative_config))
+    if options.prefetch and sparse:
         raise CPKVConfigError(
             "cp_kv: prefetch is for dense MLA models; a sparse-attention model reads "
             "this step's tokens through its view (the indexer too), which the prefetch "
@@ -206,6 +184,31 @@ def derive_query_replication(args, pcp: int, options: CPKVOptions) -> None:
     if _amx_mla_chosen(args):
         return
     args.dcp_q_replicate = True
+
+
+def check_sparse_graphs(options: CPKVOptions, pcp: int, speculative: bool) -> None:
+    """A sparse-attention model in CUDA graphs (GPU, no ``--enforce-eager``)."""
+    if not sparse_shard_aware(options, pcp):
+        # the materializing path: vLLM would run it PIECEWISE (the sharded
+        # builders declare no full-graph support), but no such run has been
+        # checked; under PCP vLLM 0.32 refuses graphs for sparse MLA itself
+        raise CPKVConfigError(
+            "cp_kv: CUDA graphs with a sparse-attention (DeepSeek-V3.2) model on the "
+            "materializing path (vLLM before 0.34, PCP, or cp_kv.decode='materialize': "
+            "its decode reads a full view planned per batch) have not been verified; "
+            "add --enforce-eager, or use vLLM 0.34 with TP and the default decode "
+            "(the shard-aware sparse path, docs/sparse.md), or disable cp_kv.")
+    if speculative:
+        # ran eager within the floor with the debug checks held; in CUDA
+        # graphs the sharded MTP run failed on the H200 with an illegal
+        # memory access, not yet diagnosed
+        # (benchmarks/results/h200x1-2026-12-04-sparse-shard-aware)
+        raise CPKVConfigError(
+            "cp_kv: speculative decoding with a sparse-attention (DeepSeek-V3.2) model "
+            "and sharded KV needs --enforce-eager: in CUDA graphs it failed on the H200 "
+            "(an illegal memory access, not yet diagnosed); eager it matches the "
+            "unsharded run (docs/sparse.md). Add --enforce-eager, or remove "
+            "--speculative-config.")
 
 
 def sparse_shard_aware(options: CPKVOptions, pcp: int,
