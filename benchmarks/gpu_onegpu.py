@@ -351,6 +351,8 @@ def model_dir(kind: str) -> str:
     gpu_vllm_checks builds it."""
     if kind == "dsv32":
         return checks.model_dir(kind)
+    if kind == "recall":  # the trained model (docs/accuracy.md), committed
+        return os.path.join(ROOT, "models", "recall-dsv2")
     if kind in ("mtp", "mtp-moe"):
         return tiny_model.build_mtp(os.path.join(checks.MODELS, "onegpu-" + kind),
                                     gpu_heads=True, max_positions=16384, moe=kind == "mtp-moe")

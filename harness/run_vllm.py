@@ -272,25 +272,43 @@ def _cache_shapes(worker):
     return [[list(c.shape), str(c.dtype)] for c in _caches(worker)]
 
 
-def _corrupt_one_owned_block(worker, layer: int = 0, index: int = 0):
+def _corrupt_one_owned_block(worker, layer=0, index: int = 0, rank: int = 1):
     """Overwrite the ``index``-th written block (by id; 0: the first) of
     cache ``layer`` (0: the first layer; -1: the last, an MTP model's draft
-    layer) on shard rank 1 (after a prefill, or between waves: a cached
-    block). On a fresh cache vLLM hands out block ids in order, so the
-    ``index``-th block holds the first request's column ``index``: logical
-    block ``N * index + 1``, tokens from ``(N * index + 1) * block_size``."""
+    layer; None: every layer) on shard rank ``rank`` (after a prefill, or
+    between waves: a cached block). On a fresh cache vLLM hands out block ids
+    in order, so the ``index``-th block holds the first request's column
+    ``index``: logical block ``N * index + rank``."""
+    import torch
     from vllm.distributed.parallel_state import get_dcp_group
 
-    if get_dcp_group().rank_in_group != 1:
+    if get_dcp_group().rank_in_group != rank:
         return None
-    cache = _caches(worker)[layer]
-    blocks = cache.reshape(cache.shape[0], -1, cache.shape[-1])
-    written = (blocks != _sentinel(cache)).any(dim=-1).any(dim=-1).nonzero().flatten()
-    block = int(written[index])
-    gen = __import__("torch").Generator().manual_seed(0)
-    blocks[block] = (__import__("torch").randn(blocks[block].shape, generator=gen)
-                     * 4).to(blocks.dtype)
+    caches = _caches(worker) if layer is None else [_caches(worker)[layer]]
+    for cache in caches:
+        blocks = cache.reshape(cache.shape[0], -1, cache.shape[-1])
+        written = (blocks != _sentinel(cache)).any(dim=-1).any(dim=-1).nonzero().flatten()
+        block = int(written[index])
+        gen = torch.Generator().manual_seed(0)
+        blocks[block] = (torch.randn(blocks[block].shape, generator=gen) * 4).to(blocks.dtype)
     return block
+
+
+def _drop_rank_partial(worker, rank: int):
+    """A negative control: the shard-aware decode's LSE merge ignores rank
+    ``rank``'s partial output (its LSE set to -inf), as if that rank's
+    blocks were lost."""
+    from vllm_cp_kv.integration import decode
+
+    inner = decode.merge_by_lse
+
+    def merge(outs, lses):
+        lses = lses.clone()
+        lses[rank] = float("-inf")
+        return inner(outs, lses)
+
+    decode.merge_by_lse = merge
+    return True
 
 
 def _last_token_stats(worker):
@@ -347,6 +365,15 @@ def run(a) -> dict:
     if a.token_prompt_len:
         texts = [token_prompt(a.token_prompt_len, vocab)]
     phases = None
+    recall_items = None
+    if a.recall:  # the trained model's task (vllm_cp_kv.tools.recall)
+        from vllm.inputs import TokensPrompt
+
+        from vllm_cp_kv.tools import recall
+
+        recall_items = [it for length in a.recall.split(",")
+                        for it in recall.prompts(int(length), a.recall_per_bucket)]
+        texts = [TokensPrompt(prompt_token_ids=it["ids"]) for it in recall_items]
     if a.token_prompts:  # "L,L,...;L,L,..." : phases run one after the other
         from vllm.inputs import TokensPrompt
 
@@ -382,13 +409,20 @@ def run(a) -> dict:
         llm.collective_rpc(_poison)
     if a.count_collectives:
         res["collectives_counted"] = llm.collective_rpc(_count_collectives)
+    if a.drop_rank is not None:
+        llm.collective_rpc(_drop_rank_partial, args=(a.drop_rank,))
     if a.corrupt_after_prefill:
         engine = llm.llm_engine
         for i, p in enumerate(texts):
             engine.add_request(str(i), p, sp)
-        engine.step()  # prefill of every request
-        res["corrupted_block"] = llm.collective_rpc(_corrupt_one_owned_block,
-                                                    args=(a.corrupt_layer,))
+        engine.step()  # prefill of every request (of the first, at least)
+        args = (a.corrupt_layer,)
+        if a.corrupt_needle:  # every layer of the block holding request 0's needle
+            n = a.tp * a.pcp
+            j = recall_items[0]["needle"] // cache_config.block_size
+            args = (None, j // n, j % n)
+            res["corrupted_needle"] = {"logical_block": j, "rank": j % n}
+        res["corrupted_block"] = llm.collective_rpc(_corrupt_one_owned_block, args=args)
         outs = []
         while engine.has_unfinished_requests():
             outs += [o for o in engine.step() if o.finished]
@@ -418,6 +452,16 @@ def run(a) -> dict:
         outs = llm.generate(texts, sp)
     if outs:
         res.update(summarize(outs))
+    if recall_items is not None:
+        from vllm_cp_kv.tools import recall
+
+        ranks = a.tp * a.pcp if a.shard else 1
+        res["recall"] = {}
+        for length in a.recall.split(","):
+            pick = [i for i, it in enumerate(recall_items) if len(it["ids"]) == int(length)]
+            res["recall"][length] = recall.grade(
+                [recall_items[i] for i in pick], [res["tokens"][i] for i in pick],
+                ranks=ranks, block_size=cache_config.block_size)
     else:  # phases: the flat view over all of them
         res.update({k: [x for ph in res["phases"] for x in ph[k]]
                     for k in ("prompt_lens", "tokens", "logprobs", "texts")})
@@ -486,6 +530,8 @@ def run_waves(llm, prompts_, sp, a, res):
                              .model_config.get_vocab_size(), seed=99)
     first = [TokensPrompt(prompt_token_ids=x) for x in ids]
     later = [TokensPrompt(prompt_token_ids=x + y) for x, y in zip(ids, suffixes)]
+    if a.recall:  # the same prompts again (graded): every full block a prefix hit
+        later = first
     res["waves"] = []
     outs = None
     for k in range(a.waves):
@@ -549,6 +595,14 @@ def main() -> None:
                          "runs of a comparison; see _install_sorted_topk)")
     ap.add_argument("--poison", action="store_true")
     ap.add_argument("--corrupt-after-prefill", action="store_true")
+    ap.add_argument("--recall", default=None,
+                    help="context lengths: the recall task's prompts (grades in 'recall')")
+    ap.add_argument("--recall-per-bucket", type=int, default=1)
+    ap.add_argument("--corrupt-needle", action="store_true",
+                    help="with --recall --corrupt-after-prefill: corrupt request 0's "
+                         "needle block (every layer) on its owner")
+    ap.add_argument("--drop-rank", type=int, default=None,
+                    help="decode LSE merge drops this shard rank's partial (a control)")
     ap.add_argument("--corrupt-layer", type=int, default=0,
                     help="the cache --corrupt-after-prefill corrupts (-1: the last, "
                          "an MTP model's draft layer)")

@@ -1,0 +1,117 @@
+"""The trained recall model's accuracy in every GPU mode (issue 50,
+docs/accuracy.md): vLLM 0.34 on one H200 through the one-GPU harness (real
+NCCL between ranks sharing the GPU), CUDA graphs (vLLM's default mode), the
+same prompts unsharded and sharded, at lengths from 8K to 128K.
+
+Usage (on the GPU machine, after ``source scripts/gpu/setup_device.sh``):
+    python benchmarks/gpu_recall.py OUT_DIR [--runs all|NAME,...] [--budget-s 540]
+    python benchmarks/gpu_recall.py OUT_DIR --summarize   (here, afterwards)
+
+Each sharded run is checked against its unsharded layout: accuracy within
+each other's 95% Wilson interval (``recall.within``) at every length, and
+per position bucket. Writes OUT_DIR/<run>.json|.log, OUT_DIR/summary.json
+(runs and checks) and OUT_DIR/recall.png (accuracy against context length,
+with intervals).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import gpu_onegpu as onegpu
+from common import pyplot, result_dir, save_figure, write_json
+from vllm_cp_kv.tools import recall
+
+LENGTHS = "8192,32768,65536,131072"
+TASK = ["--recall", LENGTHS, "--recall-per-bucket", "2", "--max-tokens", str(recall.VALUE_LEN),
+        "--max-model-len", "131200", "--max-num-seqs", "8"] + onegpu.GRAPHS
+FM = ["--backend", "FLASHMLA"]
+SHARD = ["--shard", "--stats"]
+LAYOUTS = {"tp1": ["--tp", "1"], "tp2": ["--tp", "2"], "tp4": ["--tp", "4"],
+           "pcp2": ["--tp", "1", "--pcp", "2"], "pcp2tp2": ["--tp", "2", "--pcp", "2"]}
+
+
+def runs() -> dict:
+    """name -> (model, args, harness on, env), as gpu_onegpu's table."""
+    r = {"tp1-plain": ("recall", LAYOUTS["tp1"] + FM + TASK + ["--no-plugin"], False, {})}
+    for lay in ("tp2", "tp4", "pcp2", "pcp2tp2"):
+        r[f"{lay}-plain"] = ("recall", LAYOUTS[lay] + FM + TASK + ["--no-plugin"], True, {})
+        r[f"{lay}-shard"] = ("recall", LAYOUTS[lay] + FM + TASK + SHARD, True, {})
+    fp8 = LAYOUTS["tp2"] + FM + TASK + ["--kv-cache-dtype", "fp8"]
+    r["tp2-fp8-plain"] = ("recall", fp8 + ["--no-plugin"], True, {})
+    r["tp2-fp8-shard"] = ("recall", fp8 + SHARD, True, {})
+    waves = LAYOUTS["tp2"] + FM + TASK + ["--waves", "2"]  # the second wave all prefix hits
+    r["tp2-prefix-plain"] = ("recall", waves + ["--no-plugin"], True, {})
+    r["tp2-prefix-shard"] = ("recall", waves + SHARD, True, {})
+    return r
+
+
+PAIRS = [(f"{x}-shard", f"{x}-plain") for x in ("tp2", "tp4", "pcp2", "pcp2tp2", "tp2-fp8",
+                                                "tp2-prefix")]
+
+
+def checks(results: dict) -> dict:
+    out = {}
+    for shard, plain in PAIRS:
+        a, b = results.get(shard, {}).get("recall"), results.get(plain, {}).get("recall")
+        if not a or not b:
+            out[shard] = {"ok": False, "why": "missing run"}
+            continue
+        per = {}
+        for length in a:
+            x, y = a[length], b[length]
+            per[length] = {"shard": x["accuracy"], "plain": y["accuracy"],
+                           "within": recall.within(x, y),
+                           "buckets_within": all(recall.within(p, q) for p, q in
+                                                 zip(x["buckets"], y["buckets"]))}
+        hits = results[shard].get("waves", [{}])[-1].get("prefix_cache_hits") if "prefix" in shard else None
+        out[shard] = {"ok": all(v["within"] and v["buckets_within"] for v in per.values()),
+                      "lengths": per, **({"prefix_hits": hits} if hits is not None else {})}
+    return out
+
+
+def plot(out_dir: str, results: dict) -> None:
+    plt = pyplot(optional=True)
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, res in sorted(results.items()):
+        rec = res.get("recall")
+        if not rec:
+            continue
+        xs = [int(k) for k in rec]
+        ys = [rec[k]["accuracy"] for k in rec]
+        err = [[y - rec[k]["interval"][0] for k, y in zip(rec, ys)],
+               [rec[k]["interval"][1] - y for k, y in zip(rec, ys)]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, lw=1,
+                    ls="--" if name.endswith("plain") else "-", label=name)
+    ax.set(xscale="log", xlabel="context tokens", ylabel="exact-match accuracy",
+           ylim=(0, 1.05), title="recall-dsv2 on one H200, vLLM 0.34, CUDA graphs")
+    ax.legend(fontsize=7, ncol=2)
+    save_figure(fig, os.path.join(out_dir, "recall.png"))
+
+
+def main() -> None:
+    ap = onegpu.matrix_arguments(timeout=420)
+    a = ap.parse_args()
+    result_dir(a.out)
+    path = os.path.join(a.out, "summary.json")
+    results = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            results = json.load(f)["runs"]
+    if not a.summarize:
+        table = runs()
+        names = list(table) if a.runs == "all" else a.runs.split(",")
+        onegpu.run_table(table, names, a, results, path)
+    for res in results.values():  # the logs stay in their own files
+        res.pop("log", None)
+    cks = checks(results)
+    write_json(path, {"runs": results, "checks": cks})
+    plot(a.out, results)
+    print(json.dumps({k: v["ok"] for k, v in cks.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
