@@ -65,7 +65,8 @@ def checks(results: dict) -> dict:
                            "within": recall.within(x, y),
                            "buckets_within": all(recall.within(p, q) for p, q in
                                                  zip(x["buckets"], y["buckets"]))}
-        hits = results[shard].get("waves", [{}])[-1].get("prefix_cache_hits") if "prefix" in shard else None
+        waves = results[shard].get("waves") or [{}]
+        hits = waves[-1].get("prefix_cache_hits") if "prefix" in shard else None
         out[shard] = {"ok": all(v["within"] and v["buckets_within"] for v in per.values()),
                       "lengths": per, **({"prefix_hits": hits} if hits is not None else {})}
     return out

@@ -418,10 +418,12 @@ def run(a) -> dict:
         engine.step()  # prefill of every request (of the first, at least)
         args = (a.corrupt_layer,)
         if a.corrupt_needle:  # every layer of the block holding request 0's needle
-            n = a.tp * a.pcp
-            j = recall_items[0]["needle"] // cache_config.block_size
-            args = (None, j // n, j % n)
-            res["corrupted_needle"] = {"logical_block": j, "rank": j % n}
+            from vllm_cp_kv.core.ownership import CPShardSpec
+
+            spec = CPShardSpec(0, a.tp * a.pcp, cache_config.block_size)
+            j = recall_items[0]["needle"] // spec.block_size  # its logical block
+            args = (None, spec.table_index(j), spec.owner_of(j))
+            res["corrupted_needle"] = {"logical_block": j, "rank": spec.owner_of(j)}
         res["corrupted_block"] = llm.collective_rpc(_corrupt_one_owned_block, args=args)
         outs = []
         while engine.has_unfinished_requests():
@@ -452,6 +454,9 @@ def run(a) -> dict:
         outs = llm.generate(texts, sp)
     if outs:
         res.update(summarize(outs))
+    else:  # phases: the flat view over all of them
+        res.update({k: [x for ph in res["phases"] for x in ph[k]]
+                    for k in ("prompt_lens", "tokens", "logprobs", "texts")})
     if recall_items is not None:
         from vllm_cp_kv.tools import recall
 
@@ -462,9 +467,6 @@ def run(a) -> dict:
             res["recall"][length] = recall.grade(
                 [recall_items[i] for i in pick], [res["tokens"][i] for i in pick],
                 ranks=ranks, block_size=cache_config.block_size)
-    else:  # phases: the flat view over all of them
-        res.update({k: [x for ph in res["phases"] for x in ph[k]]
-                    for k in ("prompt_lens", "tokens", "logprobs", "texts")})
     if a.poison:
         res["written"] = llm.collective_rpc(_written)
         # per rank and layer: token rows written (dense checks read these)

@@ -190,9 +190,9 @@ def evaluate(model, lengths, per_bucket: int, device) -> dict:
 
 
 def save(model, run_dir: str, log: dict) -> None:
-    """bf16 weights in two files (``state-0.pt``: the embedding and the
-    layers, ``state-1.pt``: the rest), each small enough to come back from
-    the GPU machine, and the log."""
+    """bf16 weights in two files (``state-0.pt``: the layers,
+    ``state-1.pt``: the embedding, final norm and head), each small enough
+    to come back from the GPU machine, and the log."""
     state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in model.state_dict().items()}
     first = {k: v for k, v in state.items() if k.startswith("model.layers.")}
     torch.save(first, os.path.join(run_dir, "state-0.pt"))

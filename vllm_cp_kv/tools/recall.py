@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from ..core.ownership import CPShardSpec
+
 KEY = 3
 KEY_TOKENS = (16, 1040)
 VALUE_TOKENS = (1040, 2576)
@@ -148,12 +150,13 @@ def _tally(flags: list[bool]) -> dict:
 def grade(items: list[dict], outputs: list[list[int]], *, ranks: int = 1,
           block_size: int = 16) -> dict:
     """Exact match of each output's first ``VALUE_LEN`` tokens with the
-    answer: overall, per needle bucket and per owning shard rank (the
-    cyclic rule, ``owner = (position // block_size) % ranks``, of the
-    needle's value tokens), with Wilson intervals."""
+    answer: overall, per needle bucket and per owning shard rank (of the
+    needle's value tokens, by :class:`CPShardSpec`'s rule), with Wilson
+    intervals."""
     right = [list(o[:VALUE_LEN]) == it["answer"] for it, o in zip(items, outputs)]
     first = [bool(o) and o[0] == it["answer"][0] for it, o in zip(items, outputs)]
-    owner = [(it["needle"] // block_size) % ranks for it in items]
+    spec = CPShardSpec(0, ranks, block_size)
+    owner = spec.owner_of(torch.tensor([it["needle"] for it in items]) // block_size).tolist()
     return {**_tally(right), "first_token": _tally(first)["accuracy"],
             "buckets": [_tally([r for r, it in zip(right, items) if it["bucket"] == b])
                         for b in range(BUCKETS)],
