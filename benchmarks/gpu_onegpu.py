@@ -19,7 +19,10 @@ FULL_AND_PIECEWISE and FULL_DECODE_ONLY against TP=2 unsharded with graphs,
 sharded eager with the debug checks, TP=1, prompts of 1 token to 40K; the
 negative control), ``more`` (TP=4, PCP=2 dense, MoE and both sparse
 backends, prefix hits, the chunked context with and without the prefetch,
-MTP k=1..3, P/D, decode step times), ``all``.
+MTP k=1..3, P/D, decode step times), ``accuracy`` (the trained model's
+runs of benchmarks/gpu_recall.py: where they ran, the verdicts of TP=2,
+TP=4, PCP=2, PCP=2 x TP=2, FP8, prefix hits and P/D are its accuracy
+against unsharded, the token comparisons kept beside), ``all``.
 
 Runs go through ``harness/run_vllm.py`` (and ``vllm_cp_kv.tools.pd_offline``)
 as in benchmarks/gpu_vllm_checks.py, with a fixed KV budget per rank
@@ -258,7 +261,39 @@ def runs() -> dict:
     r["pd-pcp2-shard2-nixl-dropped"] = ("pd", layouts["pcp2-shard2"] + ["--cuda-graphs"], True,
                                         {"CPKV_TEST_HOOKS": "1",
                                          "CPKV_TEST_IGNORE_POSITIONS": "1"})
+    import gpu_recall  # the trained model's accuracy runs (it imports this module)
+
+    r.update({ACC + name: run for name, run in gpu_recall.runs().items()})
     return r
+
+
+# The trained recall model's accuracy (issue 50, benchmarks/gpu_recall.py):
+# its runs join the matrix as "acc-<run>", and where they ran, the verdict of
+# each mode below is its accuracy against unsharded plus the mode's
+# structural facts (capacity, owned writes, hits, transfers), the token
+# comparison with random weights kept beside as "tokens_ok".
+ACC = "acc-"
+ACCURACY = {"tp2-FLASHMLA-graphs": "tp2-shard", "tp4": "tp4-shard",
+            "pcp2-dense": "pcp2-shard", "pcp2tp2-dense": "pcp2tp2-shard",
+            "tp2-FLASHMLA-fp8": "tp2-fp8-shard", "prefix-tp2": "tp2-prefix-shard",
+            "pd-tp2-nixl": "pd-tp2-into-tp1", "pd-pcp2-shard2-nixl": "pd-pcp2-into-tp2-shard"}
+
+
+def accuracy_verdicts(out: dict, results: dict) -> None:
+    import gpu_recall
+
+    acc = gpu_recall.checks({k[len(ACC):]: v for k, v in results.items() if k.startswith(ACC)})
+    for key, name in ACCURACY.items():
+        c, a = out.get(key), acc[name]
+        if a.get("why") == "missing run":  # not run in this lease: tokens decide
+            continue
+        if c is None:  # the mode's token runs not in this lease: accuracy alone
+            c = out[key] = {"ok": True}
+        # the mode's own facts without its token comparison
+        facts = (c.get("ok_capacity_writes_debug", True) and c.get("same_rows_written_as_eager",
+                                                                   True)
+                 and c.get("transport_ok", True) and c.get("prefix_ok", True))
+        c.update(tokens_ok=c["ok"], accuracy=a, ok=a["ok"] and facts)
 
 
 GROUPS = {
@@ -273,7 +308,12 @@ GROUPS = {
     + [f"tp2-FA-mtp{n}-{v}" for n in (1, 2, 3) for v in ("plain", "shard")]
     + ["tp2-FA-mtp2-debug", "pd-tp2-nixl"],
 }
-GROUPS["all"] = GROUPS["graphs"] + GROUPS["more"]
+GROUPS["accuracy"] = [ACC + n for n in ("tp1-plain", "tp2-plain", "tp2-shard", "tp4-plain",
+                                         "tp4-shard", "pcp2-plain", "pcp2-shard",
+                                         "pcp2tp2-plain", "pcp2tp2-shard", "tp2-fp8-plain",
+                                         "tp2-fp8-shard", "tp2-prefix-plain", "tp2-prefix-shard",
+                                         "pd-tp2-into-tp1", "pd-pcp2-into-tp2-shard")]
+GROUPS["all"] = GROUPS["graphs"] + GROUPS["more"] + GROUPS["accuracy"]
 # the second lease of 2026-12-03: P/D with time enough, PCP + MoE after the
 # capture's padding-mask fix, the sparse pairs eager, the TP=4 floor
 GROUPS["pd-shard"] = ["pd-pcp2-shard2-nixl"]
@@ -384,11 +424,14 @@ def env_for(harness: bool, extra: dict) -> dict:
 def run_one(name: str, spec, out: str, timeout: float) -> dict:
     kind, args, harness, extra = spec
     t0 = time.time()
-    if kind == "pd":
+    if kind.startswith("pd"):  # "pd" (the moe model) or "pd:MODEL"
         work = os.path.join(out, name)
         # P/D runs may run at the same time: each its own side-channel ports
-        port = 5700 + 10 * sorted(n for n, r in runs().items() if r[0] == "pd").index(name)
-        cmd = [sys.executable, "-m", "vllm_cp_kv.tools.pd_offline", model_dir("moe"), work,
+        # (another table's P/D runs pass their own --port, which comes later)
+        mine = sorted(n for n, r in runs().items() if r[0] == "pd")
+        port = 5700 + 10 * mine.index(name) if name in mine else 0
+        cmd = [sys.executable, "-m", "vllm_cp_kv.tools.pd_offline",
+               model_dir(kind.partition(":")[2] or "moe"), work,
                "--device", "cuda", "--gpu-mem", "0.05", "--decode-gpu-mem", "0.05",
                "--kv-bytes", KV, "--port", str(port), "--timeout", str(int(timeout) - 20),
                *args]
@@ -397,7 +440,7 @@ def run_one(name: str, spec, out: str, timeout: float) -> dict:
                os.path.join(out, f"{name}.json"), *BASE, *args]
     rc = checks.run_logged(cmd, env_for(harness, extra), os.path.join(out, f"{name}.log"),
                            timeout, "CMD " + " ".join(cmd) + f"\nENV {extra} harness={harness}\n")
-    if kind == "pd":
+    if kind.startswith("pd"):
         path = os.path.join(out, name, "pd_result.json")
         res = {"name": name, "rc": rc}
         if os.path.exists(path):
@@ -620,6 +663,7 @@ def compare(results) -> dict:
     pcp_tp_check(out, results)
     pd_checks(out, results)
     timing_check(out, results)
+    accuracy_verdicts(out, results)
     return out
 
 
@@ -742,9 +786,9 @@ def prefix_check(out, results) -> None:
         same = [agreement(x["tokens"], x["logprobs"], y["tokens"], y["logprobs"])
                 for x, y in zip(s["waves"][:2], b["waves"][:2])]
         hits = [w.get("prefix_cache_hits") for w in s["waves"]]
+        facts = hits[0] == 0 and hits[1] > 0 and s["waves"][2]["tokens"] != s["waves"][1]["tokens"]
         out[f"prefix-{lay}"] = {
-            "ok": hits[0] == 0 and hits[1] > 0
-            and s["waves"][2]["tokens"] != s["waves"][1]["tokens"],
+            "ok": facts, "prefix_ok": facts,
             "agreement_per_wave": same, "hits_sharded": hits,
             "hits_unsharded": [w.get("prefix_cache_hits") for w in b["waves"]],
             "corruption_changed_wave3": s["waves"][2]["tokens"] != s["waves"][1]["tokens"],
@@ -951,6 +995,7 @@ def pd_checks(out, results):
         floor_reach = FLOOR_SHARE * (PD_FLOOR_SHARE if measured is None else measured)
         asked = "floor_rc" in pd  # --floor: no floor measured is a failure
         out[name] = {
+            "transport_ok": bool(facts) and all(facts.values()),
             "ok": bool(facts) and all(facts.values()) and reach is not None and (
                 not asked or measured is not None) and (
                 pd.get("identical") == pd.get("prompts") or reach >= floor_reach),
@@ -1092,7 +1137,7 @@ def main() -> None:
     table = runs()
     names = [n for part in a.runs.split(",") for n in GROUPS.get(part, [part])]
     for kind in {table[n][0] for n in names}:  # build the models before the clock runs
-        model_dir("moe" if kind == "pd" else kind)
+        model_dir(kind.partition(":")[2] or "moe" if kind.startswith("pd") else kind)
     run_table(table, names, a, results, path)
     report(a.out, results)
 
@@ -1113,6 +1158,8 @@ def run_table(table: dict, names: list, a, results: dict, path: str) -> None:
 
     with ThreadPoolExecutor(a.parallel) as pool:
         for name, res in pool.map(go, names):
+            if res["rc"] == "skipped (budget)" and name in results:
+                continue  # an earlier call's result stays
             results[name] = res
             write_json(path, {"runs": results})
 

@@ -9,7 +9,8 @@ Usage (on the GPU machine, after ``source scripts/gpu/setup_device.sh``):
 
 Each sharded run is checked against its unsharded layout: accuracy within
 each other's 95% Wilson interval (``recall.within``) at every length, and
-per position bucket. Writes OUT_DIR/<run>.json|.log, OUT_DIR/summary.json
+per position bucket; each P/D run (``pd_offline --recall``) its decode's
+answers against its own unsharded reference. Writes OUT_DIR/<run>.json|.log, OUT_DIR/summary.json
 (runs and checks) and OUT_DIR/recall.png (accuracy against context length,
 with intervals).
 """
@@ -23,10 +24,19 @@ import gpu_onegpu as onegpu
 from common import pyplot, result_dir, save_figure, write_json
 from vllm_cp_kv.tools import recall
 
-LENGTHS = "8192,32768,65536,131072"
-TASK = ["--recall", LENGTHS, "--recall-per-bucket", "2", "--max-tokens", str(recall.VALUE_LEN),
-        "--max-model-len", "131200", "--max-num-seqs", "8"] + onegpu.GRAPHS
+LENGTHS = "8192,32768,131072"
 FM = ["--backend", "FLASHMLA"]
+# 32K-token steps: a 128K prompt in 4 chunks (vLLM's default 16K makes 8, and
+# each chunk of a sharded run gathers the cached context before it: issue 51)
+TASK = ["--recall", LENGTHS, "--recall-per-bucket", "2", "--max-tokens", str(recall.VALUE_LEN),
+        "--max-model-len", "131200", "--max-num-seqs", "4", "--kv-bytes", str(3 << 30),
+        "--max-num-batched-tokens", "32768"] + onegpu.GRAPHS
+# P/D: a sharded prefill into an unsharded TP=1 decode and into a sharded TP=2
+# one, graded against pd_offline's own unsharded reference (the decode's TP);
+# every prompt's KV held by the prefill until the decode reads it: 6 GiB a rank
+PD = ["--recall", "32768,131072", "--recall-per-bucket", "1",
+      "--max-tokens", str(recall.VALUE_LEN), "--max-model-len", "131200",
+      "--kv-bytes", str(6 << 30), "--block-size", "64", "--cuda-graphs"] + FM
 SHARD = ["--shard", "--stats"]
 LAYOUTS = {"tp1": ["--tp", "1"], "tp2": ["--tp", "2"], "tp4": ["--tp", "4"],
            "pcp2": ["--tp", "1", "--pcp", "2"], "pcp2tp2": ["--tp", "2", "--pcp", "2"]}
@@ -41,14 +51,35 @@ def runs() -> dict:
     fp8 = LAYOUTS["tp2"] + FM + TASK + ["--kv-cache-dtype", "fp8"]
     r["tp2-fp8-plain"] = ("recall", fp8 + ["--no-plugin"], True, {})
     r["tp2-fp8-shard"] = ("recall", fp8 + SHARD, True, {})
-    waves = LAYOUTS["tp2"] + FM + TASK + ["--waves", "2"]  # the second wave all prefix hits
+    # the second wave all prefix hits: every first-wave block still cached
+    # (at 3 GiB a rank the 8K-128K prompts evicted each other: no hits)
+    waves = LAYOUTS["tp2"] + FM + TASK + ["--waves", "2", "--recall", "32768,131072",
+                                          "--recall-per-bucket", "1", "--kv-bytes", str(8 << 30)]
     r["tp2-prefix-plain"] = ("recall", waves + ["--no-plugin"], True, {})
     r["tp2-prefix-shard"] = ("recall", waves + SHARD, True, {})
+    r["pd-tp2-into-tp1"] = ("pd:recall", ["--prefill-tp", "2", "--prefill-pcp", "1",
+                                          "--port", "6100"] + PD, True, {})
+    r["pd-pcp2-into-tp2-shard"] = ("pd:recall", ["--prefill-tp", "1", "--prefill-pcp", "2",
+                                                 "--decode-tp", "2", "--decode-shard",
+                                                 "--port", "6150"] + PD, True, {})
     return r
 
 
 PAIRS = [(f"{x}-shard", f"{x}-plain") for x in ("tp2", "tp4", "pcp2", "pcp2tp2", "tp2-fp8",
                                                 "tp2-prefix")]
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Two runs' accuracies (``recall`` of each) at every length and bucket."""
+    per = {}
+    for length in a:
+        x, y = a[length], b[length]
+        per[length] = {"shard": x["accuracy"], "plain": y["accuracy"],
+                       "within": recall.within(x, y),
+                       "buckets_within": all(recall.within(p, q) for p, q in
+                                             zip(x["buckets"], y["buckets"]))}
+    return {"ok": bool(per) and all(v["within"] and v["buckets_within"] for v in per.values()),
+            "lengths": per}
 
 
 def checks(results: dict) -> dict:
@@ -58,17 +89,16 @@ def checks(results: dict) -> dict:
         if not a or not b:
             out[shard] = {"ok": False, "why": "missing run"}
             continue
-        per = {}
-        for length in a:
-            x, y = a[length], b[length]
-            per[length] = {"shard": x["accuracy"], "plain": y["accuracy"],
-                           "within": recall.within(x, y),
-                           "buckets_within": all(recall.within(p, q) for p, q in
-                                                 zip(x["buckets"], y["buckets"]))}
-        waves = results[shard].get("waves") or [{}]
-        hits = waves[-1].get("prefix_cache_hits") if "prefix" in shard else None
-        out[shard] = {"ok": all(v["within"] and v["buckets_within"] for v in per.values()),
-                      "lengths": per, **({"prefix_hits": hits} if hits is not None else {})}
+        hits = (results[shard].get("waves") or [{}])[-1].get("prefix_cache_hits")
+        c = out[shard] = compare(a, b)
+        if "prefix" in shard:  # the graded wave must have hit the cache
+            c.update(prefix_hits=hits, ok=c["ok"] and bool(hits))
+    for name in (n for n, r in runs().items() if r[0].startswith("pd")):
+        rec = results.get(name, {}).get("recall")  # the decode's against the reference's
+        out[name] = ({"ok": False, "why": "missing run"} if not rec else
+                     {**compare(rec["decode"], rec["reference"]),
+                      "every_prompt_token_received":
+                          results[name]["checks"]["every_prompt_token_received"]})
     return out
 
 
@@ -77,18 +107,21 @@ def plot(out_dir: str, results: dict) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, res in sorted(results.items()):
+    for i, (name, res) in enumerate(sorted(results.items())):
         rec = res.get("recall")
+        if rec and "decode" in rec:  # P/D: the decode's answers
+            rec = rec["decode"]
         if not rec:
             continue
-        xs = [int(k) for k in rec]
+        xs = [int(k) * 1.012 ** i for k in rec]  # side by side where they agree
         ys = [rec[k]["accuracy"] for k in rec]
         err = [[y - rec[k]["interval"][0] for k, y in zip(rec, ys)],
                [rec[k]["interval"][1] - y for k, y in zip(rec, ys)]]
         ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, lw=1,
                     ls="--" if name.endswith("plain") else "-", label=name)
     ax.set(xscale="log", xlabel="context tokens", ylabel="exact-match accuracy",
-           ylim=(0, 1.05), title="recall-dsv2 on one H200, vLLM 0.34, CUDA graphs")
+           ylim=(0, 1.05), title=f"recall-dsv2, vLLM 0.34, one GPU, CUDA graphs "
+                                 f"({os.path.basename(os.path.normpath(out_dir))})")
     ax.legend(fontsize=7, ncol=2)
     save_figure(fig, os.path.join(out_dir, "recall.png"))
 

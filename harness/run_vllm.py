@@ -461,12 +461,8 @@ def run(a) -> dict:
         from vllm_cp_kv.tools import recall
 
         ranks = a.tp * a.pcp if a.shard else 1
-        res["recall"] = {}
-        for length in a.recall.split(","):
-            pick = [i for i, it in enumerate(recall_items) if len(it["ids"]) == int(length)]
-            res["recall"][length] = recall.grade(
-                [recall_items[i] for i in pick], [res["tokens"][i] for i in pick],
-                ranks=ranks, block_size=cache_config.block_size)
+        res["recall"] = recall.grade_lengths(recall_items, res["tokens"], ranks=ranks,
+                                             block_size=cache_config.block_size)
     if a.poison:
         res["written"] = llm.collective_rpc(_written)
         # per rank and layer: token rows written (dense checks read these)

@@ -7,7 +7,7 @@ Usage: python -m vllm_cp_kv.tools.pd_offline MODEL WORKDIR [--transport nixl|moo
            [--transfer-timeout S] [--cpu-rope-kernel] [--waves 2 [--wave2 suffix|same]]
        GPU:   ... --device cuda [--prefill-pcp 2] [--gpu-mem F] [--decode-gpu-mem F]
            [--num-prompts N] [--prompt-repeat R] [--max-model-len L] [--strict]
-           [--floor]
+           [--floor] [--recall 32768,131072 [--recall-per-bucket N]]
 
 Three processes, as vLLM's own P/D examples do without HTTP: the prefill
 instance (sharded with cp_kv, ``kv_producer``) runs every prompt with
@@ -138,9 +138,13 @@ def _waves(a, llm) -> list[list]:
     """The prompts of every wave (wave 2: each wave-1 prompt plus the same
     new suffix of token ids, or the wave-1 prompts again)."""
     first = prompts(a.num_prompts, a.prompt_repeat)
+    if a.recall:  # the trained model's task: token-id prompts, graded in _summarize
+        from vllm.inputs import TokensPrompt
+
+        first = [TokensPrompt(prompt_token_ids=it["ids"]) for it in _recall_items(a)]
     if a.waves == 1:
         return [first]
-    if a.wave2 == "same":
+    if a.wave2 == "same" or a.recall:
         return [first] * a.waves
     from vllm.inputs import TokensPrompt
 
@@ -151,6 +155,12 @@ def _waves(a, llm) -> list[list]:
         suffix = token_prompts([a.suffix_len], vocab, seed=99 + k)[0]
         out.append([TokensPrompt(prompt_token_ids=tok.encode(p) + suffix) for p in first])
     return out
+
+
+def _recall_items(a) -> list[dict]:
+    from . import recall
+
+    return [it for n in a.recall.split(",") for it in recall.prompts(int(n), a.recall_per_bucket)]
 
 
 def _result(outs) -> dict:
@@ -416,6 +426,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--spec", default=None,
                     help='speculative_config of every instance, e.g. \'{"method": "mtp", '
                          '"num_speculative_tokens": 2}\' (a model with an MTP layer)')
+    ap.add_argument("--recall", default=None,
+                    help="context lengths: the trained recall model's prompts instead of "
+                         "tiny_model's, graded ('recall': reference and decode)")
+    ap.add_argument("--recall-per-bucket", type=int, default=1)
     ap.add_argument("--floor", action="store_true",
                     help="also run the prefill's layout unsharded, without a connector: "
                          "the floor of two unsharded layouts on these prompts")
@@ -611,6 +625,17 @@ def _summarize(a) -> dict:
     if a.floor and os.path.exists(os.path.join(a.workdir, "floor.json")):
         f = load("floor")
         out["floor_first_diff"] = _first_diffs(r["tokens"], f["tokens"])
+    if a.recall:  # the task's accuracy, the decode against the reference (the
+        # owners: the ranks that held each needle, the prefill's unless the decode shards)
+        from . import recall
+
+        items = _recall_items(a)
+        ranks = (a.decode_tp if a.decode_shard else
+                 1 if a.prefill_plain else a.prefill_tp * a.prefill_pcp)
+        out["recall"] = {
+            "reference": recall.grade_lengths(items, r["tokens"], block_size=bs),
+            "decode": recall.grade_lengths(items, d["waves"][0]["tokens"], ranks=ranks,
+                                           block_size=bs)}
     if a.waves > 1:
         out["checks"]["prefill_prefix_cache_hit_in_later_waves"] = all(
             w["prefill_prefix_cache_hits"] > 0 for w in waves[1:])

@@ -165,6 +165,16 @@ def grade(items: list[dict], outputs: list[list[int]], *, ranks: int = 1,
             "right_each": right}
 
 
+def grade_lengths(items: list[dict], outputs: list[list[int]], **kw) -> dict:
+    """:func:`grade` per context length of ``items`` (a run's prompts of
+    several lengths): ``{str(length): grade}``."""
+    out = {}
+    for length in sorted({len(it["ids"]) for it in items}):
+        pick = [i for i, it in enumerate(items) if len(it["ids"]) == length]
+        out[str(length)] = grade([items[i] for i in pick], [outputs[i] for i in pick], **kw)
+    return out
+
+
 def within(a: dict, b: dict) -> bool:
     """Whether two accuracies agree: each inside the other's interval."""
     return (b["interval"][0] <= a["accuracy"] <= b["interval"][1]
