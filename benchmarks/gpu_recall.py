@@ -24,19 +24,29 @@ import gpu_onegpu as onegpu
 from common import pyplot, result_dir, save_figure, write_json
 from vllm_cp_kv.tools import recall
 
-LENGTHS = "8192,32768,131072"
 FM = ["--backend", "FLASHMLA"]
+
+
+def task(lengths: str, per_bucket: int, kv_gib: int) -> list:
+    """The recall prompts (``per_bucket`` per position bucket at each of
+    ``lengths``), their answers' tokens, and the KV bytes each rank gets."""
+    return ["--recall", lengths, "--recall-per-bucket", str(per_bucket),
+            "--max-tokens", str(recall.VALUE_LEN), "--max-model-len", "131200",
+            "--kv-bytes", str(kv_gib << 30)] + onegpu.GRAPHS
+
+
 # 32K-token steps: a 128K prompt in 4 chunks (vLLM's default 16K makes 8, and
 # each chunk of a sharded run gathers the cached context before it: issue 51)
-TASK = ["--recall", LENGTHS, "--recall-per-bucket", "2", "--max-tokens", str(recall.VALUE_LEN),
-        "--max-model-len", "131200", "--max-num-seqs", "4", "--kv-bytes", str(3 << 30),
-        "--max-num-batched-tokens", "32768"] + onegpu.GRAPHS
+TASK = task("8192,32768,131072", 2, 3) + ["--max-num-seqs", "4",
+                                           "--max-num-batched-tokens", "32768"]
+# the second wave all prefix hits: every first-wave block still cached (at 3
+# GiB a rank the 8K-128K prompts evicted each other: no hits)
+WAVES = task("32768,131072", 1, 8) + ["--max-num-seqs", "4",
+                                      "--max-num-batched-tokens", "32768", "--waves", "2"]
 # P/D: a sharded prefill into an unsharded TP=1 decode and into a sharded TP=2
 # one, graded against pd_offline's own unsharded reference (the decode's TP);
 # every prompt's KV held by the prefill until the decode reads it: 6 GiB a rank
-PD = ["--recall", "32768,131072", "--recall-per-bucket", "1",
-      "--max-tokens", str(recall.VALUE_LEN), "--max-model-len", "131200",
-      "--kv-bytes", str(6 << 30), "--block-size", "64", "--cuda-graphs"] + FM
+PD = task("32768,131072", 1, 6) + ["--block-size", "64"] + FM
 SHARD = ["--shard", "--stats"]
 LAYOUTS = {"tp1": ["--tp", "1"], "tp2": ["--tp", "2"], "tp4": ["--tp", "4"],
            "pcp2": ["--tp", "1", "--pcp", "2"], "pcp2tp2": ["--tp", "2", "--pcp", "2"]}
@@ -51,10 +61,7 @@ def runs() -> dict:
     fp8 = LAYOUTS["tp2"] + FM + TASK + ["--kv-cache-dtype", "fp8"]
     r["tp2-fp8-plain"] = ("recall", fp8 + ["--no-plugin"], True, {})
     r["tp2-fp8-shard"] = ("recall", fp8 + SHARD, True, {})
-    # the second wave all prefix hits: every first-wave block still cached
-    # (at 3 GiB a rank the 8K-128K prompts evicted each other: no hits)
-    waves = LAYOUTS["tp2"] + FM + TASK + ["--waves", "2", "--recall", "32768,131072",
-                                          "--recall-per-bucket", "1", "--kv-bytes", str(8 << 30)]
+    waves = LAYOUTS["tp2"] + FM + WAVES
     r["tp2-prefix-plain"] = ("recall", waves + ["--no-plugin"], True, {})
     r["tp2-prefix-shard"] = ("recall", waves + SHARD, True, {})
     r["pd-tp2-into-tp1"] = ("pd:recall", ["--prefill-tp", "2", "--prefill-pcp", "1",
@@ -95,10 +102,12 @@ def checks(results: dict) -> dict:
             c.update(prefix_hits=hits, ok=c["ok"] and bool(hits))
     for name in (n for n, r in runs().items() if r[0].startswith("pd")):
         rec = results.get(name, {}).get("recall")  # the decode's against the reference's
-        out[name] = ({"ok": False, "why": "missing run"} if not rec else
-                     {**compare(rec["decode"], rec["reference"]),
-                      "every_prompt_token_received":
-                          results[name]["checks"]["every_prompt_token_received"]})
+        if not rec:
+            out[name] = {"ok": False, "why": "missing run"}
+            continue
+        c = out[name] = compare(rec["decode"], rec["reference"])
+        arrived = results[name]["checks"]["every_prompt_token_received"]
+        c.update(every_prompt_token_received=arrived, ok=c["ok"] and arrived)
     return out
 
 
