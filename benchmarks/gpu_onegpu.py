@@ -224,6 +224,17 @@ def against(out: str, old: str) -> dict:
     return report
 
 
+def earlier_runs(out: str) -> tuple[dict, str]:
+    """``out`` made if missing, the runs of its ``summary.json`` (earlier
+    calls of the lease; {} if none) and that file's path."""
+    result_dir(out)
+    path = os.path.join(out, "summary.json")
+    if not os.path.exists(path):
+        return {}, path
+    with open(path) as f:
+        return json.load(f)["runs"], path
+
+
 def matrix_arguments(timeout: float) -> argparse.ArgumentParser:
     """The arguments of a matrix of runs (this one and gpu_sparse.py)."""
     ap = argparse.ArgumentParser()

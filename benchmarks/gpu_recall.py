@@ -21,7 +21,7 @@ import json
 import os
 
 import gpu_onegpu as onegpu
-from common import pyplot, result_dir, save_figure, write_json
+from common import pyplot, save_figure, write_json
 from vllm_cp_kv.tools import recall
 
 FM = ["--backend", "FLASHMLA"]
@@ -47,6 +47,10 @@ WAVES = task("32768,131072", 1, 8) + ["--max-num-seqs", "4",
 # one, graded against pd_offline's own unsharded reference (the decode's TP);
 # every prompt's KV held by the prefill until the decode reads it: 6 GiB a rank
 PD = task("32768,131072", 1, 6) + ["--block-size", "64"] + FM
+# the reads zero-copy over cuda_ipc: UCX's default on a GPU without NVLink
+# stages them through host memory over TCP (0.7-1.5 MB/s on the harness, the
+# H100 lease: every P/D row timed out); docs/disaggregated.md
+ZCOPY = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 SHARD = ["--shard", "--stats"]
 LAYOUTS = {"tp1": ["--tp", "1"], "tp2": ["--tp", "2"], "tp4": ["--tp", "4"],
            "pcp2": ["--tp", "1", "--pcp", "2"], "pcp2tp2": ["--tp", "2", "--pcp", "2"]}
@@ -61,14 +65,22 @@ def runs() -> dict:
     fp8 = LAYOUTS["tp2"] + FM + TASK + ["--kv-cache-dtype", "fp8"]
     r["tp2-fp8-plain"] = ("recall", fp8 + ["--no-plugin"], True, {})
     r["tp2-fp8-shard"] = ("recall", fp8 + SHARD, True, {})
+    # where the sharded FP8 run died at vLLM's warm-up on the H100 (an illegal
+    # memory access reported after the FLASHMLA FP8 kernel): the same run with
+    # every launch synchronous (the failing kernel named), and with the
+    # settings of the FP8 runs that passed (8 requests, 16K-token steps)
+    r["tp2-fp8-shard-sync"] = ("recall", fp8 + SHARD, True, {"CUDA_LAUNCH_BLOCKING": "1"})
+    r["tp2-fp8-shard-s8"] = ("recall", fp8 + SHARD + ["--max-num-seqs", "8",
+                                                      "--max-num-batched-tokens", "16384",
+                                                      "--kv-bytes", str(4 << 30)], True, {})
     waves = LAYOUTS["tp2"] + FM + WAVES
     r["tp2-prefix-plain"] = ("recall", waves + ["--no-plugin"], True, {})
     r["tp2-prefix-shard"] = ("recall", waves + SHARD, True, {})
     r["pd-tp2-into-tp1"] = ("pd:recall", ["--prefill-tp", "2", "--prefill-pcp", "1",
-                                          "--port", "6100"] + PD, True, {})
+                                          "--port", "6100"] + PD, True, ZCOPY)
     r["pd-pcp2-into-tp2-shard"] = ("pd:recall", ["--prefill-tp", "1", "--prefill-pcp", "2",
                                                  "--decode-tp", "2", "--decode-shard",
-                                                 "--port", "6150"] + PD, True, {})
+                                                 "--port", "6150"] + PD, True, ZCOPY)
     return r
 
 
@@ -138,12 +150,7 @@ def plot(out_dir: str, results: dict) -> None:
 def main() -> None:
     ap = onegpu.matrix_arguments(timeout=420)
     a = ap.parse_args()
-    result_dir(a.out)
-    path = os.path.join(a.out, "summary.json")
-    results = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            results = json.load(f)["runs"]
+    results, path = onegpu.earlier_runs(a.out)
     if not a.summarize:
         table = runs()
         names = list(table) if a.runs == "all" else a.runs.split(",")

@@ -81,6 +81,10 @@ def runs() -> dict:
     r["tp2-fas-mtp-plain"] = ("dsv32-mtp", mtp + GRAPHS + PLAIN, True, {})
     r["tp2-fas-mtp-shard"] = ("dsv32-mtp", mtp + GRAPHS + SHARD, True, {})
     r["tp2-fas-mtp-debug"] = ("dsv32-mtp", mtp + SHARD, True, DEBUG)
+    # the graphs failure (startup row spec-sparse-graphs) diagnosed: the row
+    # lifted for this run, every launch synchronous (the failing kernel named)
+    r["tp2-fas-mtp-shard-sync"] = ("dsv32-mtp", mtp + GRAPHS + SHARD, True, {
+        "VLLM_CP_KV_VERIFY_SPARSE_MTP_GRAPHS": "1", "CUDA_LAUNCH_BLOCKING": "1"})
     # vLLM's own DCP sparse path (no plugin): its top-k merge needs CuteDSL
     r["tp2-fms-vllmdcp"] = ("dsv32-h32", TP2 + ["--dcp", "2"] + BACKENDS["fms"] + GEN + GRAPHS
                             + PLAIN, True, {})
@@ -106,6 +110,7 @@ GROUPS = {
     "sa-tp4": ["tp4-fas-plain", "tp4-fas-shard"],
     "sa-vllm": ["tp2-fms-vllmdcp"],
     "sa-mtp": ["tp2-fas-mtp-plain", "tp2-fas-mtp-shard", "tp2-fas-mtp-debug"],
+    "sa-mtp-sync": ["tp2-fas-mtp-shard-sync"],
 }
 GROUPS["all"] = [n for g in ("sa", "sa-dump", "sa-time", "sa-glm5", "sa-prefix", "sa-tp4")
                  for n in GROUPS[g]]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 import os
 
@@ -514,6 +515,23 @@ def summarize(outs) -> dict:
             "texts": [o.outputs[0].text for o in outs]}
 
 
+def _turns(ids, a, llm) -> list:
+    """``--turns``: wave ``k + 1``'s prompts, each the one before with a
+    new turn of 200-800 random tokens appended (a multi-turn conversation
+    whose history is a prefix-cache hit; the turns' lengths fixed by the
+    seed)."""
+    from vllm.inputs import TokensPrompt
+
+    vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+    rng = random.Random(7)
+    out, prev = [], ids
+    for k in range(a.waves - 1):
+        lens = [rng.randint(200, 800) for _ in ids]
+        prev = [x + y for x, y in zip(prev, token_prompts(lens, vocab, seed=100 + k))]
+        out.append([TokensPrompt(prompt_token_ids=x) for x in prev])
+    return out
+
+
 def run_waves(llm, prompts_, sp, a, res):
     """Wave 1: the prompts; every later wave: each prompt with the same new
     suffix of ``--suffix-len`` tokens (a long shared prefix), after the wave
@@ -528,11 +546,21 @@ def run_waves(llm, prompts_, sp, a, res):
                              .model_config.get_vocab_size(), seed=99)
     first = [TokensPrompt(prompt_token_ids=x) for x in ids]
     later = [TokensPrompt(prompt_token_ids=x + y) for x, y in zip(ids, suffixes)]
+    first_all, later_all = first, later
     if a.recall:  # the same prompts again (graded): every full block a prefix hit
         later = first
+    turns = _turns(ids, a, llm) if a.turns else None
     res["waves"] = []
     outs = None
     for k in range(a.waves):
+        if turns is not None:  # a conversation: each wave the last one's prompt + a turn
+            later = turns[k - 1] if k else first
+        if a.series:  # prompt k // 3 alone: cold, + suffix, + suffix again
+            i, step = divmod(k, 3)
+            first = [first_all[i]]
+            later = [later_all[i]]
+            if step:
+                first = later
         if k == a.waves - 1 and a.corrupt_between_waves:
             res["corrupted_block"] = llm.collective_rpc(
                 _corrupt_one_owned_block, args=(0, a.corrupt_index))
@@ -615,6 +643,13 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=1,
                     help=">= 2: the prompts, then each with a new suffix (prefix caching)")
     ap.add_argument("--suffix-len", type=int, default=24)
+    ap.add_argument("--turns", action="store_true",
+                    help="with --waves: each wave appends a turn of 200-800 tokens to the "
+                         "last wave's prompts (a multi-turn conversation)")
+    ap.add_argument("--series", action="store_true",
+                    help="each prompt alone, three waves each: cold, with a new suffix "
+                         "(a prefix hit of the whole prompt), the same again "
+                         "(sets --waves to 3 x the prompts)")
     ap.add_argument("--corrupt-between-waves", action="store_true")
     ap.add_argument("--corrupt-index", type=int, default=0,
                     help="--corrupt-between-waves: the index-th written block on rank 1")
@@ -632,6 +667,8 @@ def main() -> None:
                     help="--time-decode: comma-separated contexts, one timing each")
     ap.add_argument("--dcp", type=int, default=1, help="vLLM's own DCP (no plugin)")
     a = ap.parse_args()
+    if a.series:
+        a.waves = 3 * len(a.token_prompts.split(","))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if a.no_plugin:
         os.environ["VLLM_PLUGINS"] = "none"

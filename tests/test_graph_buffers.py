@@ -208,3 +208,30 @@ def test_the_owned_writes_check_skips_vllms_dummy_runs_only(dummy):
         else:
             with pytest.raises(CPKVInvariantError, match="slot mapping writes non-owned"):
                 plan_batch(runtime, step, 0, whole=False, lse_decode=True)
+
+
+def test_fp8_flashmla_rows_of_no_token_read_one():
+    """FlashMLA's dense FP8 kernel faults on rows of no tokens: its builder
+    gets the lengths with 0 raised to 1 (persistent, as the lengths), the
+    merge still sees the true 0s; other builders keep the true lengths."""
+    from types import SimpleNamespace
+
+    from vllm_cp_kv.integration.decode import fp8_rows_need_a_token
+    from vllm_cp_kv.integration.planning import DecodeBuffers
+
+    buffers = DecodeBuffers(6, torch.zeros(6, 4, dtype=torch.int32))
+    buffers.lens[:4] = torch.tensor([0, 5, 0, 64], dtype=torch.int32)
+    got = buffers.at_least_one(4)
+    assert got.tolist() == [1, 5, 1, 64] and buffers.lens[:4].tolist() == [0, 5, 0, 64]
+    assert got.data_ptr() == buffers.kernel_lens.data_ptr()  # the same storage each step
+
+    class FlashMLAMetadataBuilder:
+        is_fp8_kvcache = True
+
+    class ShardedKVBuilder_FLASHMLA(FlashMLAMetadataBuilder):
+        pass
+
+    assert fp8_rows_need_a_token(ShardedKVBuilder_FLASHMLA())
+    ShardedKVBuilder_FLASHMLA.is_fp8_kvcache = False
+    assert not fp8_rows_need_a_token(ShardedKVBuilder_FLASHMLA())
+    assert not fp8_rows_need_a_token(SimpleNamespace(is_fp8_kvcache=True))  # not FlashMLA

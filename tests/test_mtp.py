@@ -18,7 +18,9 @@ control: one owned block of the MTP layer's cache overwritten after the
 prefill changes the accepted count against phase 1 of the k = 2 run, which
 poisons every cache first (the tokens cannot change: the target verifies
 every draft). Prefix caching with MTP: the second wave hits
-(vLLM's counters), tokens equal the unsharded run's. n-gram lookup: tokens
+(vLLM's counters), tokens equal the unsharded run's, with its short rows
+reading their cached context owned and the others gathered (the mixed
+context paths, docs/context.md). n-gram lookup: tokens
 equal to the run without speculation.
 """
 
@@ -36,6 +38,9 @@ ARGS = ("--dtype", "float32", "--backend", "CPU_MLA", "--torch-rope", "--max-mod
 KV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 WAVES = "530,610,700,1000"  # wave 2: each with a new 24-token suffix
 VIRTUAL_BLOCK = 16 * 2  # a scheduler block: block size x shard size tokens
+# wave 2 with MTP: rows of at most 70 new tokens read their context owned
+# (610 and 1000: 58 and 64 new), the others gathered (docs/context.md)
+MIXED = {"context_path": "owned", "owned_context_max_query": 70}
 
 
 def spec(k: int, method: str = "mtp") -> tuple:
@@ -71,7 +76,8 @@ def runs(tiny_mtp, tmp_path_factory):
     out["waves_plain"] = run_generate(tiny_mtp, d, "waves_plain", *waves, "--no-plugin",
                                       *spec(1), env=KV)
     out["waves_shard"] = run_generate(tiny_mtp, d, "waves_shard", *waves, "--shard",
-                                      *spec(1), env=KV)
+                                      *spec(1), "--stats", "--cp-kv", json.dumps(MIXED),
+                                      env=KV)
     out["waves_nospec"] = run_generate(tiny_mtp, d, "waves_nospec", *waves, "--shard",
                                        env=KV)
     return out
@@ -152,3 +158,14 @@ def test_prefix_caching_with_mtp(runs):
     requests = len(WAVES.split(","))
     assert 0 < hits < without, (hits, without)
     assert without - hits == requests * VIRTUAL_BLOCK, (hits, without)
+    # the mixed context paths (MIXED) in the wave with hits, on both ranks
+    lens = [int(n) for n in WAVES.split(",")]
+    cached = [max(n // VIRTUAL_BLOCK * VIRTUAL_BLOCK - VIRTUAL_BLOCK, 0) for n in lens]
+    short = [n for n, h in zip(lens, cached)
+             if h and n + 24 - h <= MIXED["owned_context_max_query"]]
+    assert sum(cached) == hits and 1 <= len(short) < len(lens), (cached, short)
+    stats = [s for s in shard["waves"][1]["stats"] if s]
+    assert len(stats) == 2, stats
+    for s in stats:
+        assert s["owned_context_rows"] == len(short), (s, short)
+        assert s["mixed_context_steps"] >= 1, s

@@ -13,6 +13,11 @@ it too. Either way the reference is correct, and the sharded wave 2 reads
 its cached context through the full view (with CPU_MLA, by vLLM's own
 chunked-context prefill, which the plugin keeps prefix caching on for).
 
+Mixed context paths (``cp_kv.context_path = "owned"``, docs/context.md):
+wave 2's rows of at most 30 new tokens attend to each rank's owned context
+and merge by LSE, as decode rows do; the others read it gathered, in the
+same batch. Both kinds' tokens equal the unsharded run's.
+
 Negative control: a third wave repeats wave 2 after one cached block owned
 by shard rank 1 was overwritten: the hit is read, so the output changes.
 
@@ -37,6 +42,8 @@ the per-query causal limit this run gave 8 of 8 identical prompts in wave 1
 and 0 of 8 in wave 2.
 """
 
+import json
+
 import pytest
 
 from conftest import harness_env, needs_vllm, run_generate
@@ -49,6 +56,12 @@ ARGS = ("--dtype", "float32", "--backend", "CPU_MLA", "--max-model-len", "2048",
 KV = {"VLLM_CPU_KVCACHE_SPACE": None}  # unset: --kv-bytes, not the environment's GiB
 WORKSPACE = 64  # tokens: 4 blocks of 16, 2 per rank
 CORRUPT = 10  # rank 1's 11th block: logical block 21 of the first prompt
+# wave 2's rows of at most OWNED_QUERY new tokens read their context owned
+# (docs/context.md): 610 and 900 (26 and 28 new tokens past hits of 608 and
+# 896); the others (32-52 new tokens) gathered in chunks, in the same batch
+OWNED_QUERY = 30
+ON_OPTIONS = {"workspace_tokens": WORKSPACE, "context_path": "owned",
+              "owned_context_max_query": OWNED_QUERY}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +73,7 @@ def runs(held_out, tmp_path_factory):
         "on": run_generate(held_out, d, "on", *ARGS, "--shard", "--waves", "3",
                            "--poison", "--corrupt-between-waves", "--corrupt-index",
                            str(CORRUPT), "--stats",
-                           "--cp-kv", f'{{"workspace_tokens": {WORKSPACE}}}',
+                           "--cp-kv", json.dumps(ON_OPTIONS),
                            env={"VLLM_CP_KV_DEBUG": "1", **KV}),
         "multi": run_generate(held_out, d, "multi", *ARGS, "--shard", "--waves", "2",
                               "--stats", env=SHIM),
@@ -111,6 +124,25 @@ def test_context_was_read_in_chunks(runs):
     assert all(s["chunked_context_steps"] >= 1 for s in stats), stats
     assert stats[0]["max_context_chunks"] >= 1000 // WORKSPACE, stats
     assert "the chunked context's workspace" in runs["on"]["log"]
+
+
+def test_short_rows_read_their_context_owned_beside_gathered_ones(runs):
+    """Wave 2 mixes the paths in one batch: the rows of at most
+    ``OWNED_QUERY`` new tokens attend to each rank's owned context (merged
+    by LSE), the others read it gathered; the tokens above equal the
+    unsharded run's. Which rows: recomputed from the wave's hits."""
+    on = runs["on"]
+    wave1 = on["waves"][0]
+    granule = on["block_size"] * on["dcp"]
+    short = [n for n in wave1["prompt_lens"]
+             if n >= granule and n - n // granule * granule + 24 <= OWNED_QUERY]
+    assert len(short) >= 1 and len(short) < len(wave1["prompt_lens"]) - 1, short
+    stats = [s for s in on["waves"][1]["stats"] if s]
+    assert len(stats) == 2, stats
+    for s in stats:
+        assert s["owned_context_rows"] == len(short), (s, short)
+        assert s["mixed_context_steps"] >= 1, s
+    assert all(not s.get("owned_context_rows") for s in on["waves"][0]["stats"] if s)
 
 
 def test_capacity_at_a_small_budget(runs):

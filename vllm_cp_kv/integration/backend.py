@@ -12,7 +12,9 @@ TRITON_MLA on GPU; the sparse backends).
     runs the inner kernel unchanged on it; a context longer than the scratch
     (``chunked``) is gathered chunk by chunk, each chunk read by vLLM's own
     context-chunk attention and the chunks merged by LSE
-    (:meth:`ShardedImpl._compute_prefill_context`);
+    (:meth:`ShardedImpl._compute_prefill_context`); a short row over a long
+    context may instead attend to each rank's owned context and merge by
+    LSE, as a decode row does (``context.py``, ``cp_kv.context_path``);
   - decode rows (``cp_kv.decode = "lse"``, the default for dense MLA): the
     shard-aware decode (``decode.py``). With ``"materialize"`` (and always
     for sparse models) decode rows read the full view too.
@@ -29,11 +31,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import weakref
 from functools import cache
 
 import torch
 
-from . import decode, vllm_api
+from . import context, decode, vllm_api
 from .geometry import group_size_of
 from .options import debug_enabled, options_of
 from ..core.decode import merge_two_by_lse
@@ -116,6 +119,7 @@ class ShardedBuilder:
         # debug: vLLM's own decode kernel on the full view, for comparison
         self.cp_kv_kernel_check = debug_enabled() and name in KERNEL_CHECK_BACKENDS
         self.cp_kv_chunked = chunked_context_enabled(vllm_config, name, self.cp_kv_sparse)
+        self.cp_kv_owned = self._owned_context(vllm_config, name)
         # vLLM's V2 speculator may update draft decode metadata in place
         # between chained draft steps; the batch plan riding on it would go
         # stale, so it rebuilds (and replans) each step (plugin.py item 15)
@@ -128,10 +132,11 @@ class ShardedBuilder:
         # are counted only for the statistics' step kind
         num_decodes = split_rows(self, common)
         made = plan_batch(runtime, common, num_decodes, whole=sparse,
-                          lse_decode=self.cp_kv_lse_decode, chunked=self.cp_kv_chunked)
+                          lse_decode=self.cp_kv_lse_decode, chunked=self.cp_kv_chunked,
+                          owned=self.cp_kv_owned)
         metadata = super().build(common_prefix_len, translated(common, made.full_table),
                                  fast_build)
-        if made.chunked and metadata.prefill is not None:
+        if made.loop and made.reads and metadata.prefill is not None:
             made.vllm_chunks = self._chunk_metadata(made, common, metadata.prefill)
         if not sparse and metadata.num_decodes != num_decodes:
             raise RuntimeError(
@@ -147,6 +152,28 @@ class ShardedBuilder:
             made.decode_builder = self  # debug: vLLM's kernel on a view
         metadata.cp_kv = made
         return metadata
+
+    def _owned_context(self, vllm_config, name: str) -> dict | None:
+        """``context.plan_owned``'s settings where short prefill rows may
+        read their context owned (None: every context gathered)."""
+        options = options_of(vllm_config)
+        pcp = vllm_config.parallel_config.prefill_context_parallel_size
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        able = self.cp_kv_chunked and context.owned_context_supported(name, cache_dtype, pcp)
+        if options.context_path == "owned" and not able:
+            from .checks import CPKVConfigError
+
+            raise CPKVConfigError(
+                f"cp_kv: context_path 'owned' needs a backend of {context.OWNED_BACKENDS} "
+                f"with a 16- or 32-bit KV cache, sharding over TP (here {name}, "
+                f"kv_cache_dtype {cache_dtype}, PCP {pcp}); use 'auto' or 'gathered'.")
+        if not able or options.context_path == "gathered":
+            return None
+        model = vllm_config.model_config
+        return dict(mode=options.context_path, max_query=options.owned_context_max_query,
+                    heads=model.hf_text_config.num_attention_heads,
+                    width=self.kv_cache_spec.head_size, v_dim=self.mla_dims.kv_lora_rank,
+                    elt=model.dtype.itemsize)
 
     def _decode_bytes(self, view, size: int) -> int:
         """This step's shard-aware decode bytes over the builder's layers
@@ -239,6 +266,7 @@ class ShardedImpl:
             super().__init__(*args, **kwargs)
         vllm_api.impl_reports_unsharded(self)  # see the module docstring
         self.cp_kv_layer: str | None = None  # bound by the worker
+        self.cp_kv_module = None  # its MLA layer (weak; W_UK_T, W_UV)
         self.cp_kv_decode_ranks = decode_kernel_ranks(config, self.is_sparse)  # the builder's
 
     def reserve_workspace(self) -> None:
@@ -251,9 +279,11 @@ class ShardedImpl:
         with vllm_api.heads_of(self, self.cp_kv_decode_ranks):
             super().reserve_workspace()
 
-    def cp_kv_bind(self, layer_name: str) -> None:
-        """The layer this impl serves (its full views are keyed by it)."""
+    def cp_kv_bind(self, layer_name: str, layer=None) -> None:
+        """The layer this impl serves (its full views are keyed by its name;
+        the owned context path reads its absorption weights)."""
         self.cp_kv_layer = layer_name
+        self.cp_kv_module = None if layer is None else weakref.ref(layer)
 
     def _full_view(self, kv_cache, made, chunk: int = 0):
         if self.cp_kv_layer is None:
@@ -284,9 +314,9 @@ class ShardedImpl:
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata,
                     k_scale, output, output_scale=None):
         made = attn_metadata.cp_kv
-        if made.reads and not made.chunked:  # one gather: the whole context
+        if made.reads and not made.loop:  # one gather: the whole context
             kv_c_and_k_pe_cache = self._full_view(kv_c_and_k_pe_cache, made)
-        elif made.chunked and attn_metadata.prefill.chunked_context is None:
+        elif made.loop and made.reads and attn_metadata.prefill.chunked_context is None:
             # no row of this rank has a context, so vLLM skips the context
             # loop here; under PCP other ranks' rows may: join each chunk's
             # gather (a collective) all the same
@@ -300,12 +330,34 @@ class ShardedImpl:
         or, when the context is chunked, once per chunk: gather the chunk into
         the scratch, let vLLM read it with the chunk's metadata
         (``ShardedBuilder._chunk_metadata``), merge the chunks' outputs by
-        LSE. vLLM then merges the result with the new tokens' attention."""
+        LSE; rows read owned (``context.owned_context``) take their part from
+        there. vLLM then merges the result with the new tokens' attention."""
         made = attn_metadata.cp_kv
-        if not made.chunked:  # kv_c_and_k_pe_cache is the full view already
+        if not made.loop:  # kv_c_and_k_pe_cache is the full view already
             return super()._compute_prefill_context(q, kv_c_and_k_pe_cache,
                                                     attn_metadata, k_scale)
+        out, lse = self._gathered_context(q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
+        if made.owned is None:
+            return out, lse
+        o, l = context.owned_context(made.runtime, made.owned, q, kv_c_and_k_pe_cache,
+                                     self.cp_kv_module(), scale=self.scale,
+                                     v_dim=self.kv_lora_rank, gpu_kernel=q.is_cuda)
+        if out is None:  # no row read gathered: the others have no context
+            out = q.new_zeros(q.shape[0], q.shape[1], o.shape[-1])
+            lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
+                             device=q.device)
+        tokens = made.owned.tokens
+        out[tokens] = 0
+        out[tokens, :, : o.shape[-1]] = o.to(out.dtype)
+        lse[:, tokens] = l.to(lse.dtype)
+        return out, lse
+
+    def _gathered_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale):
+        """The gathered rows' context, chunk by chunk (None, None: none)."""
+        made = attn_metadata.cp_kv
         out = lse = None
+        if not made.reads:
+            return out, lse
         for k, part in enumerate(made.vllm_chunks):
             # every rank gathers every chunk (a collective), also one its own
             # rows do not read (under PCP other ranks' rows may)

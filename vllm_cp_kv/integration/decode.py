@@ -34,6 +34,7 @@ from ..core import debug as core_debug
 from ..core.decode import merge_by_lse, paged_attention_with_lse
 from ..core.plan import plan_materialization
 from . import vllm_api
+from .merge import combine
 from .planning import DecodeView
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
@@ -64,9 +65,19 @@ def build_local(builder, view: DecodeView, heads_of_ranks: int):
     (all H under TP, where the queries are gathered). What the captured
     kernels read is the view's persistent storage and the builder's own
     persistent buffers (its scheduler metadata)."""
+    lens = view.kernel_lens if fp8_rows_need_a_token(builder) else view.local_lens
     with vllm_api.heads_of(builder, heads_of_ranks):
-        return _one_query_rows(builder, view, view.block_table, view.local_lens,
-                               view.max_local_len)
+        return _one_query_rows(builder, view, view.block_table, lens, view.max_local_len)
+
+
+def fp8_rows_need_a_token(builder) -> bool:
+    """FlashMLA's dense FP8 decode kernel (``flash_mla_with_kvcache_fp8``)
+    reads out of bounds on a row of no tokens (the H100 lease of
+    2026-12-05: an illegal memory access at vLLM's warm-up, on rank 1, which
+    owns no token of a prompt of one block), where vLLM's DCP, interleaving
+    single tokens, rarely has one: FlashMLA's builder with an FP8 cache."""
+    names = {c.__name__ for c in type(builder).__mro__}
+    return "FlashMLAMetadataBuilder" in names and bool(getattr(builder, "is_fp8_kvcache", False))
 
 
 def _one_query_rows(builder, view: DecodeView, table, lens, max_len: int):
@@ -141,7 +152,9 @@ def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_c
     view = attn_metadata.cp_kv.decode
     q = all_heads(runtime, view, q, impl.num_heads, count=False)  # counted at build
     # the kernel sees a plain paged sequence (no DCP masking: a decode query
-    # sees every key), and returns its LSE
+    # sees every key), and returns its LSE; rows of no owned token (FP8: given
+    # one, ``build_local``) get LSE -inf in the merge, from ``local_lens``
+    # (vLLM's ``mask_dcp_empty_shards_``)
     if view.multi_query:  # FLASHMLA shapes its queries by the row count
         attn_metadata = copy.copy(attn_metadata)
         attn_metadata.num_decodes = view.local_lens.shape[0]
@@ -230,28 +243,6 @@ def run_cpu(runtime, q, kv_cache, view: DecodeView, scale: float, v_dim: int,
         out, lse = paged_attention_with_lse(q, kv_cache, view.block_table, view.local_lens,
                                             scale, v_dim)
     return combine(runtime, out, lse, view.gather_heads).to(q.dtype)
-
-
-def combine(runtime, out: torch.Tensor, lse: torch.Tensor, split_heads: bool
-            ) -> torch.Tensor:
-    """Merge every rank's partial output by LSE (torch): one all-gather of
-    output and LSE packed as 32-bit words (vLLM's CPU shared-memory
-    all-gather takes floating types, not bytes), then the merge of the
-    heads this rank returns (``split_heads``: its ``H / N``, TP; else all)."""
-    spec = runtime.spec
-    _, h, d = out.shape
-    # the output's bits as 4-byte words (the lengths' in the debug check too)
-    words = out.contiguous().view(torch.float32)
-    width = words.shape[-1]
-    packed = torch.cat([words, lse.float().unsqueeze(-1)], dim=-1)
-    parts = runtime.group.all_gather(packed.unsqueeze(0), dim=0)  # [N, B, H, words]
-    runtime.received(parts)
-    if split_heads:
-        h //= spec.size
-        parts = parts[:, :, spec.rank * h:(spec.rank + 1) * h]
-    outs = parts[..., :width].contiguous().view(out.dtype)
-    lses = parts[..., width:].contiguous().squeeze(-1)
-    return merge_by_lse(outs, lses)
 
 
 def _dequantized(x: torch.Tensor, scale: float) -> torch.Tensor:

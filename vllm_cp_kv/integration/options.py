@@ -43,6 +43,13 @@ class CPKVOptions:
     # LSE); 0 = 1% of the KV budget. Sparse models, decode "materialize"
     # and AMX_MLA read the whole view at once (docs/design.md).
     workspace_tokens: int = 0
+    # A prefill row's cached context (docs/context.md): "gathered" into the
+    # full view; "owned": rows of at most owned_context_max_query new tokens
+    # attend to each rank's owned context and merge by LSE (as decode rows
+    # do); "auto": per batch, the cheaper for the group's measured latency
+    # and bandwidth. Where a backend, cache or PCP cannot, always gathered.
+    context_path: str = "auto"
+    owned_context_max_query: int = 512
     # GPU: gather layer l + 1's full view on a side stream while layer l
     # computes (prefill materialization); reserves a second scratch buffer.
     prefetch: bool = False
@@ -70,7 +77,13 @@ class CPKVOptions:
             raise ValueError(
                 f"cp_kv.decode must be one of {list(DECODE_MODES)}, got "
                 f"{raw['decode']!r}.")
-        for key in ("max_scratch_blocks", "workspace_tokens"):
+        from ..core.context import CONTEXT_PATHS
+
+        if raw.get("context_path", "auto") not in CONTEXT_PATHS:
+            raise ValueError(
+                f"cp_kv.context_path must be one of {list(CONTEXT_PATHS)}, got "
+                f"{raw['context_path']!r}.")
+        for key in ("max_scratch_blocks", "workspace_tokens", "owned_context_max_query"):
             value = raw.get(key, 0)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"cp_kv.{key} must be an integer >= 0, got {value!r}.")

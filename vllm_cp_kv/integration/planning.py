@@ -46,6 +46,7 @@ from ..core.materialize import LayerPrefetcher
 from ..core.ownership import CPShardSpec
 from ..core.plan import (ContextChunk, MaterializationPlan, global_rows, plan_context_chunks,
                          plan_materialization, plan_split_requests)
+from .context import plan_owned
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
     from .decode import AMXLocal
@@ -85,6 +86,11 @@ class DecodeView:
     query_start_loc: torch.Tensor  # [T + 1] int32 on the device: one query per row
     query_start_loc_cpu: torch.Tensor  # [T + 1] int32
     multi_query: bool = False  # some request row had several query tokens
+    # ``local_lens`` with every 0 raised to 1 (persistent too): FlashMLA's
+    # dense FP8 kernel faults on rows of no tokens (rank 1 of a prompt of at
+    # most one block); such a row reads one token, given no weight in the
+    # merge (``decode.run_gpu``)
+    kernel_lens: torch.Tensor | None = None
 
 
 class DecodeBuffers:
@@ -99,6 +105,7 @@ class DecodeBuffers:
     def __init__(self, rows: int, table: torch.Tensor):
         self.rows, self._like = rows, table
         self.lens = torch.zeros(rows, dtype=torch.int32, device=table.device)
+        self.kernel_lens = torch.ones_like(self.lens)
         self._table = None
         self._one_query = None
 
@@ -108,6 +115,10 @@ class DecodeBuffers:
                 f"cp_kv: a decode of {rows} query tokens exceeds the {self.rows} "
                 "rows the shard-aware decode's buffers hold "
                 "(max_num_batched_tokens); stale configuration.")
+
+    def at_least_one(self, rows: int) -> torch.Tensor:
+        """The first ``rows`` lengths with 0 raised to 1, in place."""
+        return torch.clamp(self.lens[:rows], min=1, out=self.kernel_lens[:rows])
 
     def multi_query(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Block-table rows and query offsets of rows of one query token
@@ -161,7 +172,8 @@ def decode_view(common, num_decodes: int, spec: CPShardSpec, gather_heads: bool,
         return DecodeView(block_table=table, local_lens=lens[:num_decodes],
                           max_local_len=bound, gather_heads=gather_heads,
                           query_start_loc=common.query_start_loc[: num_decodes + 1],
-                          query_start_loc_cpu=qsl_cpu)
+                          query_start_loc_cpu=qsl_cpu,
+                          kernel_lens=buffers.at_least_one(num_decodes))
     rows, local = query_token_lens(common.seq_lens[:real], query_lens[:real], spec)
     if rows is None:  # one token a row, fewer rows than the graph's tokens
         rows = torch.arange(real, device=table.device)
@@ -176,7 +188,8 @@ def decode_view(common, num_decodes: int, spec: CPShardSpec, gather_heads: bool,
     return DecodeView(block_table=rows_table[:total], local_lens=lens[:total],
                       max_local_len=bound, gather_heads=gather_heads,
                       query_start_loc=one_query[: total + 1],
-                      query_start_loc_cpu=one_query_cpu[: total + 1], multi_query=True)
+                      query_start_loc_cpu=one_query_cpu[: total + 1], multi_query=True,
+                      kernel_lens=buffers.at_least_one(total))
 
 
 @dataclass
@@ -195,6 +208,7 @@ class BatchContext:
     has_prefill: bool = False  # for the statistics: a prefill or a decode step
     multi_query: bool = False  # some decode row had several query tokens
     context_chunks: int = 0  # most chunks a plan of the step read its context in
+    owned_rows: int = 0  # prefill rows of the step reading their context owned
     bytes: int = 0  # received from the other ranks in this step
     debug_decode_checked: bool = False
     # a dummy run of vLLM's (V2 runner): its slot mapping is padding (vLLM
@@ -224,6 +238,8 @@ class BatchPlan:
     # with chunks: the chunks' request of each row (host; the identity but
     # under PCP, whose chunks are the global batch's: core.plan.rows_of_chunk)
     chunk_rows: torch.Tensor | None = None
+    # prefill rows whose context is read owned (integration/context.py)
+    owned: Any = None
     views: dict = field(default_factory=dict)  # (layer name, chunk) -> full view
     decode_builder: Any = None  # debug: the (vLLM) builder whose kernel reads a view
     prefetcher: LayerPrefetcher | None = None  # this batch's (GPU, cp_kv.prefetch)
@@ -232,6 +248,12 @@ class BatchPlan:
     def chunked(self) -> bool:
         """The context is read in several chunks (each gathered per layer)."""
         return self.chunks is not None and len(self.chunks) > 1
+
+    @property
+    def loop(self) -> bool:
+        """The impl reads the context itself: several chunks, or rows read
+        owned beside the gathered ones (``ShardedImpl._compute_prefill_context``)."""
+        return self.chunked or self.owned is not None
 
     def plan_of(self, chunk: int) -> MaterializationPlan:
         return self.chunks[chunk].plan if self.chunked else self.plan
@@ -290,13 +312,14 @@ def translated(common, full_table):
 
 
 def plan_batch(runtime, common, num_decodes: int, *, whole: bool, lse_decode: bool,
-               chunked: bool = False) -> BatchPlan:
+               chunked: bool = False, owned: dict | None = None) -> BatchPlan:
     """The batch's :class:`BatchPlan`, made once per step and shared by every
     builder of the KV cache group (the MLA latent and, for sparse models,
     the indexer cache), since they read the same blocks.
 
     ``chunked``: the context may be read in scratch-sized chunks (the
-    backend merges them by LSE)."""
+    backend merges them by LSE); ``owned``: short prefill rows may read
+    their context owned (``context.plan_owned``'s settings; TP only)."""
     batch = runtime.batch()
     key = whole
     made = batch.plans.get(key)
@@ -310,13 +333,19 @@ def plan_batch(runtime, common, num_decodes: int, *, whole: bool, lse_decode: bo
     # Kernels size their index from each request's full length.
     columns = -(-common.max_seq_len // spec.block_size)
     batch.has_prefill |= num_decodes < common.num_reqs
-    chunks = rows = None
+    chunks = rows = owned_rows = None
     if batch.pcp_step is not None:
         plan, full, lens, chunks, rows = _plan_pcp(
             runtime, batch.pcp_step, table, common.num_reqs, lse_decode, columns,
             chunked and runtime.pool is not None)
     else:
         lens = read_lens(common, num_decodes, whole, lse_decode)
+        if owned is not None and chunked and runtime.pool is not None:
+            owned_rows = plan_owned(common, num_decodes, lens, spec, link_of=runtime.link,
+                                    **owned)
+            if owned_rows is not None:  # their context is not gathered
+                lens = lens.clone()
+                lens[owned_rows.rows] = 0
         if chunked and runtime.pool is not None:
             chunks = plan_context_chunks(spec, table, lens, runtime.pool.capacity_blocks,
                                          min_columns=columns)
@@ -340,7 +369,10 @@ def plan_batch(runtime, common, num_decodes: int, *, whole: bool, lse_decode: bo
     made = BatchPlan(runtime=runtime, batch=batch,
                      plan=plan if reads and not several else None,
                      full_table=full.to(table.device), reads=reads,
-                     num_decodes=num_decodes, chunks=chunks, chunk_rows=rows)
+                     num_decodes=num_decodes, chunks=chunks, chunk_rows=rows,
+                     owned=owned_rows)
+    if owned_rows is not None:
+        batch.owned_rows = max(batch.owned_rows, int(owned_rows.rows.numel()))
     if lse_decode and num_decodes:
         made.decode = decode_view(common, num_decodes, spec, spec.head_ranks > 1,
                                   runtime.decode_buffers(common.block_table_tensor))

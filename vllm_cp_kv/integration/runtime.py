@@ -46,6 +46,10 @@ class ShardStats:
     multi_query_decode_steps: int = 0  # steps whose decode rows had several query tokens
     chunked_context_steps: int = 0  # steps whose prefill context took several chunks
     max_context_chunks: int = 0  # the most chunks one step's context took
+    owned_context_steps: int = 0  # steps with a prefill row reading its context owned
+    owned_context_rows: int = 0  # such rows, all steps
+    mixed_context_steps: int = 0  # steps with rows read owned and rows gathered
+    owned_step_bytes: list = field(default_factory=list)  # those steps' bytes (the last 256)
     # VLLM_CP_KV_DEBUG: the merged decode's largest error against float32
     # attention over the full view, and vLLM's own kernel's on that view
     debug_decode_checks: int = 0
@@ -104,6 +108,12 @@ class ShardRuntime:
         self.layer_of: dict[str, int] = {}
         self.layer_caches: list[torch.Tensor] = []
         self._batch: BatchContext | None = None
+        self._link = None  # the group's collective cost (context.measure_link)
+
+    @property
+    def measured_link(self):
+        """The :meth:`link` measured so far (None: not yet)."""
+        return self._link
 
     # ---- the step's context ---------------------------------------------
     def begin_step(self) -> BatchContext:
@@ -164,6 +174,11 @@ class ShardRuntime:
         s.multi_query_decode_steps += batch.multi_query
         s.chunked_context_steps += batch.context_chunks > 1
         s.max_context_chunks = max(s.max_context_chunks, batch.context_chunks)
+        if batch.owned_rows:
+            s.owned_context_steps += 1
+            s.owned_context_rows += batch.owned_rows
+            s.mixed_context_steps += batch.context_chunks > 0
+            s.owned_step_bytes = (s.owned_step_bytes + [n])[-256:]
         s.last_step_bytes = n
         if has_prefill:
             s.prefill_steps += 1
@@ -256,6 +271,18 @@ class ShardRuntime:
         if buffers is None:
             buffers = self._decode_buffers[key] = DecodeBuffers(self.max_decode_rows, table)
         return buffers
+
+    def link(self):
+        """The shard group's measured latency and bandwidth (measured at the
+        first batch that asks, on every rank alike: its rows are the same)."""
+        if self._link is None:
+            from .context import measure_link
+
+            self._link = measure_link(self.group)
+            logger.info("cp_kv: shard group all-gather latency %.3f ms, bandwidth "
+                        "%.2f GB/s (the context path's cost model)",
+                        self._link.latency_s * 1e3, self._link.bytes_per_s / 1e9)
+        return self._link
 
     def gather_heads(self, q: torch.Tensor, count: bool = True) -> torch.Tensor:
         """``[B, H / head_ranks, D]`` -> ``[B, H, D]`` over the head group

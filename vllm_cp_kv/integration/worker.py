@@ -118,6 +118,8 @@ class ShardedKVWorker(_PlatformWorker):
         if hasattr(self.model_runner, "cp_kv_runtime"):  # the V2 runner (pcp.py)
             self.model_runner.cp_kv_runtime = runtime
         super().initialize_from_config(kv_cache_config)
+        if options_of(self.vllm_config).context_path == "auto" and self._chunked_context():
+            runtime.link()  # measured once at start, on every rank (docs/context.md)
         if self._prefetch():
             runtime.prefetch = True
             layers = self.vllm_config.compilation_config.static_forward_context
@@ -137,7 +139,7 @@ class ShardedKVWorker(_PlatformWorker):
             layer.cp_kv_runtime = runtime
             bind = getattr(getattr(layer, "impl", None), "cp_kv_bind", None)
             if bind is not None:
-                bind(name)
+                bind(name, layer)
                 sharded.append(name)
         target = self.vllm_config.model_config.hf_text_config.num_hidden_layers
         return sorted((n for n in sharded if extract_layer_index(n) < target),
@@ -177,6 +179,9 @@ class ShardedKVWorker(_PlatformWorker):
         if runtime is None:
             return None
         stats = runtime.stats.as_dict()
+        link = runtime.measured_link  # the context path's cost model (docs/context.md)
+        if link is not None:
+            stats["link"] = {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s}
         if reset:
             runtime.reset_stats()
         return stats

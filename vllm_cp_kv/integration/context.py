@@ -1,0 +1,175 @@
+"""Short prefill rows read their cached context where it lives (issue 51;
+the math and the cost model: ``core/context.py``).
+
+* :func:`plan_owned`: once per batch (the builder), the prefill rows whose
+  context is read owned (``core.context.choose_owned`` on the group's
+  :func:`measure_link`), with their paged view of the owned context tokens:
+  the rows' block-table rows and owned context lengths. Their context is
+  left out of the gathered plan.
+* :func:`owned_context`: per layer (the impl's context attention), the
+  rows' queries absorbed into the latent space (vLLM's ``W_UK_T``, this
+  rank's heads), all heads gathered (TP), attended to the owned context
+  tokens with no causal mask (a row's ``S`` new tokens as ``S * H`` query
+  heads: the context is read once per row), the ranks' partial outputs
+  merged by LSE (reduce-scattered over heads), then up-projected
+  (``W_UV``). vLLM merges the result with the rows' new-token attention, as
+  it merges a context chunk's.
+
+Kernels: CPU_MLA the torch attention of ``core/decode.py``; FLASHMLA its
+own kernel (``causal=False``). Other backends, AMX_MLA, FP8 caches and PCP
+read every context gathered (``owned_context_supported``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..core.context import Link, PaddedRows, choose_owned, padded_rows, row_bytes
+from ..core.decode import paged_attention_with_lse
+from ..core.ownership import owned_token_count
+from .merge import combine
+
+OWNED_BACKENDS = ("CPU_MLA", "FLASHMLA")
+
+
+def owned_context_supported(backend: str, kv_cache_dtype: str, pcp: int) -> bool:
+    """Where a prefill row may read its context owned: a backend of
+    :data:`OWNED_BACKENDS` with a 16/32-bit cache, sharding over TP."""
+    return backend in OWNED_BACKENDS and kv_cache_dtype in ("auto", "bfloat16",
+                                                            "float16", "float32") and pcp == 1
+
+
+def measure_link(group, repeats: int = 5) -> Link:
+    """The shard group's all-gather latency (1 KiB) and bandwidth (4 MiB a
+    rank), the slowest rank's (every rank then decides alike)."""
+    dev = group.device if hasattr(group, "device") else torch.device("cpu")
+
+    def timed(numel: int) -> float:
+        x = torch.zeros(numel, dtype=torch.float32, device=dev)
+        group.all_gather(x, dim=0)  # warm-up
+        times = []
+        for _ in range(repeats):
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            group.all_gather(x, dim=0)
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    small, big = timed(256), timed(1 << 20)
+    moved = (group.world_size - 1) * (4 << 20)
+    mine = torch.tensor([small, moved / max(big - small, 1e-6)], dtype=torch.float32)
+    every = group.all_gather(mine.to(dev).view(1, 2), dim=0).cpu()
+    return Link(latency_s=float(every[:, 0].max()), bytes_per_s=float(every[:, 1].min()))
+
+
+@dataclass(frozen=True)
+class OwnedRows:
+    """One batch's rows that read their context owned (from the prefill
+    rows on: ``padded.index`` counts tokens from the first prefill token)."""
+
+    rows: torch.Tensor  # [R] host: the rows' index in the batch
+    padded: PaddedRows  # index / valid on the device
+    table: torch.Tensor  # [R, C] device: the rows' block-table rows
+    local_lens: torch.Tensor  # [R] int32 device: owned context tokens of each row
+    slot_lens: torch.Tensor  # [R * S] int32 device: each query slot's (0: padding)
+    tokens: torch.Tensor  # [T_o] device: the prefill token of each real slot
+
+
+def plan_owned(common, num_decodes: int, context_lens: torch.Tensor, spec, *, mode: str,
+               max_query: int, link_of, heads: int, width: int, v_dim: int,
+               elt: int) -> OwnedRows | None:
+    """The batch's owned rows (None: none). ``context_lens``: host ``[R]``
+    cached tokens of each row (0 for decode rows); ``link_of()``: the
+    group's :class:`Link` (measured on first use)."""
+    qsl = common.query_start_loc_cpu[: common.num_reqs + 1].long()
+    q = qsl[1:] - qsl[:-1]
+    prefill = torch.arange(q.numel()) >= num_decodes
+    ctx = torch.where(prefill, context_lens, 0)
+    if not bool((ctx > 0).any()):
+        return None
+    cost = row_bytes(q, ctx, size=spec.size, heads=heads, width=width, v_dim=v_dim, elt=elt)
+    link = link_of() if mode == "auto" else None
+    chosen = choose_owned(q, ctx, cost, link, mode=mode, max_query=max_query)
+    rows = chosen.nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    start = qsl[rows] - qsl[num_decodes]
+    padded = padded_rows(start, q[rows])
+    device = common.block_table_tensor.device
+    local = owned_token_count(ctx[rows], spec).to(torch.int32)
+    slot = torch.where(padded.valid, local.repeat_interleave(padded.width), 0)
+    index, valid = padded.index.to(device), padded.valid.to(device)
+    return OwnedRows(rows=rows, padded=PaddedRows(index, valid, padded.width),
+                     table=common.block_table_tensor[rows.to(device)],
+                     local_lens=local.to(device), slot_lens=slot.to(torch.int32).to(device),
+                     tokens=index[valid])
+
+
+def owned_context(runtime, owned: OwnedRows, q: torch.Tensor, kv_cache: torch.Tensor,
+                  layer, *, scale: float, v_dim: int, gpu_kernel: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The owned rows' context attention: ``out [T_o, H_l, V]`` (this
+    rank's heads, up-projected) and ``lse [H_l, T_o]`` (vLLM's layout),
+    for the prefill tokens ``owned.tokens``. ``q [T_p, H_l, nope + rope]``:
+    the prefill tokens' queries; ``layer``: vLLM's MLA layer (``W_UK_T``,
+    ``W_UV``)."""
+    r, s = owned.table.shape[0], owned.padded.width
+    w_uk_t = layer.W_UK_T  # [H_l, nope, L]
+    nope = w_uk_t.shape[1]
+    sel = q[owned.padded.index]  # [R * S, H_l, nope + rope]
+    absorbed = torch.bmm(sel[..., :nope].transpose(0, 1), w_uk_t).transpose(0, 1)
+    mq = torch.cat([absorbed, sel[..., nope:]], dim=-1)  # [R * S, H_l, L + rope]
+    split = runtime.spec.head_ranks > 1
+    if split:
+        mq = runtime.gather_heads(mq)  # [R * S, H, L + rope]
+    heads = mq.shape[1]
+    if gpu_kernel:
+        out, lse = _flashmla(mq.view(r, s, heads, -1), kv_cache, owned, scale, v_dim)
+    else:
+        out, lse = paged_attention_with_lse(mq.view(r, s * heads, -1), kv_cache, owned.table,
+                                            owned.local_lens, scale, v_dim)
+    out, lse = out.reshape(r * s, heads, v_dim), lse.reshape(r * s, heads)
+    out, lse = _merge(runtime, out, lse, owned, split)
+    valid = owned.padded.valid
+    out, lse = out[valid].to(q.dtype), lse[valid]
+    up = torch.bmm(out.transpose(0, 1), layer.W_UV).transpose(0, 1)  # [T_o, H_l, V_head]
+    return up, lse.transpose(0, 1).contiguous()
+
+
+def _flashmla(mq, kv_cache, owned: OwnedRows, scale: float, v_dim: int):
+    """FlashMLA's kernel, every query of a row seeing the row's owned
+    context (no causal mask): ``out [R, S, H, V]``, ``lse [R, S, H]``."""
+    from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache, get_mla_metadata
+
+    meta, _ = get_mla_metadata()
+    out, lse = flash_mla_with_kvcache(
+        q=mq.contiguous(), k_cache=kv_cache.unsqueeze(-2), block_table=owned.table,
+        cache_seqlens=owned.local_lens, head_dim_v=v_dim, tile_scheduler_metadata=meta,
+        softmax_scale=scale, causal=False)
+    return out, lse.transpose(1, 2)  # FlashMLA's LSE is [R, H, S]
+
+
+def _merge(runtime, out, lse, owned: OwnedRows, split: bool):
+    """The ranks' partial outputs and LSEs merged: this rank's heads under
+    TP (reduce-scatter), all otherwise."""
+    if out.is_cuda:
+        from vllm.v1.attention.ops.dcp import cp_lse_ag_out_ar, cp_lse_ag_out_rs
+
+        rows, n = owned.slot_lens.shape[0], runtime.spec.size
+        qsl = torch.arange(rows + 1, dtype=torch.int32, device=out.device)
+        merge_gpu = cp_lse_ag_out_rs if split else cp_lse_ag_out_ar
+        # received: the LSEs all-gathered; the outputs reduce-scattered (or
+        # all-reduced, a ring's 2 (N - 1) / N)
+        share = (n - 1) if split else 2 * (n - 1)
+        runtime.batch_bytes(lse.numel() * 4 * (n - 1)
+                            + out.numel() * out.element_size() * share // n)
+        return merge_gpu(out.contiguous(), lse.float(), runtime.group, return_lse=True,
+                       seq_lens=owned.slot_lens, query_start_loc=qsl)
+    return combine(runtime, out, lse, split, return_lse=True)
