@@ -299,16 +299,16 @@ def _drop_rank_partial(worker, rank: int):
     """A negative control: the shard-aware decode's LSE merge ignores rank
     ``rank``'s partial output (its LSE set to -inf), as if that rank's
     blocks were lost."""
-    from vllm_cp_kv.integration import decode
+    from vllm_cp_kv.integration import merge as merging
 
-    inner = decode.merge_by_lse
+    inner = merging.merge_by_lse
 
     def merge(outs, lses):
         lses = lses.clone()
         lses[rank] = float("-inf")
         return inner(outs, lses)
 
-    decode.merge_by_lse = merge
+    merging.merge_by_lse = merge  # the torch merge (CPU) of integration/merge.py
     return True
 
 
