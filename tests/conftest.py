@@ -46,6 +46,29 @@ def amx_available() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
+# The fast tier for the inner loop (``bash scripts/test.sh -m quick``: about
+# 430 tests in 40 s on 2 cores): the modules that start no vLLM engine
+# and no group of processes (the core against its references, plans, the
+# decode and context arithmetic, the side channel, the startup checks on
+# vLLM's config path, the structure checks)
+QUICK_MODULES = {
+    "test_capacity", "test_chunks", "test_compat", "test_connector_units", "test_context",
+    "test_decode", "test_graph_buffers", "test_manifest", "test_ownership", "test_packaging",
+    "test_pd_params", "test_plan", "test_plan_pcp", "test_rebindings", "test_side_channel",
+    "test_sparse_indexer_op", "test_sparse_topk", "test_startup_checks", "test_step_context",
+    "test_triton_workspace"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the fast tier (conftest.QUICK_MODULES)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in QUICK_MODULES:
+            item.add_marker(pytest.mark.quick)
+
+
 def pytest_report_header(config):
     amx = amx_available()
     return (f"CPU MLA backend vLLM picks here: {'AMX_MLA (block 32)' if amx else 'CPU_MLA (block 16)'}"

@@ -86,7 +86,8 @@ class FakePrefill:
     def _loop(self):
         import msgspec
 
-        from vllm_cp_kv.integration.connector.side_channel import Request, seal
+        from vllm_cp_kv.integration.connector.auth import seal
+        from vllm_cp_kv.integration.connector.schema import Request
 
         decoder = msgspec.msgpack.Decoder(Request)
         while not self._stop.is_set():
@@ -165,8 +166,7 @@ class FakeTransport:
 
 def handshake(rank=0, shard_size=2, block_size=16, num_blocks=64, caches=2, transport="nixl",
               cache_format="auto"):
-    from vllm_cp_kv.integration.connector.side_channel import (Handshake, ShardLayout,
-                                                               TransportMeta)
+    from vllm_cp_kv.integration.connector.schema import Handshake, ShardLayout, TransportMeta
 
     return Handshake(engine_id="engine", num_blocks=num_blocks,
                      shard=ShardLayout(rank=rank, size=shard_size, block_size=block_size,

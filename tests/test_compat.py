@@ -137,8 +137,8 @@ def test_the_command_line_reports_every_item_ok():
 
 
 def package_imports() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports (at the top or inside a
-    function), read from the source."""
+    """Module -> the package's modules it imports (at the top, inside a
+    function or under ``TYPE_CHECKING``), read from the source."""
     root = os.path.join(ROOT, "vllm_cp_kv")
     mods = {}
     for dirpath, _, files in os.walk(root):
@@ -152,12 +152,9 @@ def package_imports() -> dict[str, set[str]]:
         package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
         found = set()
         tree = ast.parse(open(path).read())
-        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                       and getattr(block.test, "id", "") == "TYPE_CHECKING"
-                       for n in ast.walk(block)}  # annotations, never run
+        # ``if TYPE_CHECKING:`` imports count too (annotations only, but a
+        # circle of types is still a circle to a reader)
         for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
             if isinstance(node, ast.ImportFrom):
                 base = package.split(".")[: len(package.split(".")) - node.level + 1] \
                     if node.level else []
@@ -218,8 +215,81 @@ def test_the_package_imports_run_one_way():
 
 
 def test_the_import_check_finds_a_circle():
-    """Negative control: a made-up back edge from the planning module to the
-    decode module (which imports it) is a circle."""
+    """Negative control: a made-up back edge from the per-step types to the
+    planning module (which imports them) is a circle."""
     edges = package_imports()
-    edges["vllm_cp_kv.integration.planning"].add("vllm_cp_kv.integration.decode")
-    assert ["vllm_cp_kv.integration.decode", "vllm_cp_kv.integration.planning"] in cycles(edges)
+    edges["vllm_cp_kv.integration.step"].add("vllm_cp_kv.integration.planning")
+    assert ["vllm_cp_kv.integration.planning", "vllm_cp_kv.integration.step"] in cycles(edges)
+
+
+def test_the_per_step_types_are_a_leaf():
+    """``integration/step.py`` (the plan, the step context, the decode view
+    and buffers) imports only the core: every module may read them."""
+    edges = package_imports()
+    assert all(t.startswith("vllm_cp_kv.core") for t in edges["vllm_cp_kv.integration.step"])
+
+
+def test_no_function_over_80_lines():
+    """Every function and method of the package fits 80 lines (a negative
+    control: the check finds a made-up long one)."""
+
+    def long_ones(source, path):
+        return [(path, n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(ast.parse(source))
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and n.end_lineno - n.lineno + 1 > 80]
+
+    found = []
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "vllm_cp_kv")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                found += long_ones(open(path).read(), os.path.relpath(path, ROOT))
+    assert found == []
+    assert long_ones("def f():\n" + "    x = 1\n" * 80, "made-up") == [("made-up", "f", 81)]
+
+
+def module_state(source: str) -> set[str]:
+    """Module-level names of ``source`` that a function rebinds (``global``)
+    or that hold a mutable container."""
+    tree = ast.parse(source)
+    rebound = {name for n in ast.walk(tree) if isinstance(n, ast.Global) for name in n.names}
+    mutable = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+    found = set()
+    for n in tree.body:
+        targets = [n.target] if isinstance(n, ast.AnnAssign) else getattr(n, "targets", [])
+        value = getattr(n, "value", None)
+        container = isinstance(value, mutable) or (
+            isinstance(value, ast.Call) and getattr(value.func, "id", "") in ("dict", "list", "set"))
+        found |= {t.id for t in targets if isinstance(t, ast.Name)
+                  and (t.id in rebound or container)}
+    return found
+
+
+def test_every_module_global_is_documented():
+    """docs/design.md's module-state list and its tables are every
+    module-level state of the package (negative control: a made-up one is
+    found)."""
+    found = set()
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "vllm_cp_kv")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, os.path.join(ROOT, "vllm_cp_kv"))
+                found |= {f"{rel}:{name}" for name in module_state(open(path).read())}
+    doc = open(os.path.join(ROOT, "docs", "design.md")).read()
+    section = doc[doc.index("**Module state.**"):doc.index("The per-step types")]
+    listed = {f"{path}:{name}" for path, name in re.findall(r"`([\w/]+\.py):(\w+)`", section)}
+    assert found == listed, (found - listed, listed - found)
+    assert module_state("X = {}\nY = None\nZ = 2\ndef f():\n    global Y\n    Y = 1\n") == {"X", "Y"}
+
+
+def test_the_fast_tier_names_real_test_modules():
+    """``-m quick`` (conftest.QUICK_MODULES): every module it names exists,
+    and the modules that run vLLM's engine stay out of it."""
+    from conftest import QUICK_MODULES
+
+    for name in QUICK_MODULES:
+        assert os.path.exists(os.path.join(ROOT, "tests", name + ".py")), name
+    engines = {"test_e2e_vllm", "test_mtp", "test_recall", "test_tp4", "test_prefix_caching",
+               "test_pd_offline", "test_disaggregated", "test_multinode", "test_pd_sharded_decode"}
+    assert not QUICK_MODULES & engines

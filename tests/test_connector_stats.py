@@ -39,8 +39,8 @@ from vllm_cp_kv.integration.connector.consumer import Consumer  # noqa: E402
 from vllm_cp_kv.integration.connector.counters import TransferCounters, merge  # noqa: E402
 from vllm_cp_kv.integration.connector.params import parse_params  # noqa: E402
 from vllm_cp_kv.integration.connector.producer import Producer  # noqa: E402
-from vllm_cp_kv.integration.connector.side_channel import (  # noqa: E402
-    Done, Fetch, Release, new_nonce)
+from vllm_cp_kv.integration.connector.schema import Done, Fetch, Release  # noqa: E402
+from vllm_cp_kv.integration.connector.side_channel import new_nonce  # noqa: E402
 from vllm_cp_kv.integration.connector.transfer import (  # noqa: E402
     NixlTransport, TransferError, memory_kind, nixl_descs)
 
@@ -295,7 +295,7 @@ def test_nixl_registers_cuda_caches_as_vram_of_their_device():
 
 
 def test_the_transport_meta_carries_memory_type_and_device():
-    from vllm_cp_kv.integration.connector.side_channel import TransportMeta
+    from vllm_cp_kv.integration.connector.schema import TransportMeta
 
     meta = msgspec.msgpack.decode(msgspec.msgpack.encode(TransportMeta(
         agent_name="a", mem_type="VRAM", device_id=3)), type=TransportMeta)

@@ -36,8 +36,8 @@ except ImportError:  # vLLM's dependencies
     skip_or_fail("pyzmq and msgspec (vLLM dependencies) are not installed")
 
 from vllm_cp_kv.integration.connector.producer import MAX_LEASE_S, Producer  # noqa: E402
-from vllm_cp_kv.integration.connector.side_channel import (  # noqa: E402
-    Done, Fetch, FetchReply, Ok, new_nonce)
+from vllm_cp_kv.integration.connector.schema import Done, Fetch, FetchReply, Ok  # noqa: E402
+from vllm_cp_kv.integration.connector.side_channel import new_nonce  # noqa: E402
 from vllm_cp_kv.integration.connector.worker import IDLE_STEP_WAIT_S, WorkerSide  # noqa: E402
 
 TOKEN = secrets.token_urlsafe(32)

@@ -204,7 +204,8 @@ def test_vllms_amx_kernel_gives_the_lse_and_merges(n):
     bf16 tolerance); rows a rank owns nothing of included. Negative control:
     the same partial outputs merged without their LSEs (equal weights) are
     wrong by far more."""
-    from vllm_cp_kv.integration.decode import DecodeView, amx_attention_with_lse, build_local_amx
+    from vllm_cp_kv.integration.decode import amx_attention_with_lse, build_local_amx
+    from vllm_cp_kv.integration.step import DecodeView
 
     lens = [1, 15, 33, 257, 700, 1500]
     q, table, lens_t, seqs, caches = sharded_batch(n, lens, seed=11 + n)

@@ -91,7 +91,8 @@ def kernel_inputs(runtime, common, num_decodes):
     from vllm_cp_kv.integration.planning import plan_batch
 
     with runtime.step():
-        made = plan_batch(runtime, common, num_decodes, whole=False, lse_decode=True)
+        made = plan_batch(runtime.plan_inputs(common.block_table_tensor), common, num_decodes,
+                          whole=False, lse_decode=True)
     builder = SimpleNamespace(dcp_world_size=1)
     builder._build_decode = lambda **kw: MLACommonMetadataBuilder._build_decode(builder, **kw)
     md = decode.build_local(builder, made.decode, N)
@@ -153,7 +154,8 @@ def test_an_uncaptured_batch_keeps_its_own_row_count():
     with runtime.step():
         from vllm_cp_kv.integration.planning import plan_batch
 
-        made = plan_batch(runtime, step, 2, whole=False, lse_decode=True)
+        made = plan_batch(runtime.plan_inputs(step.block_table_tensor), step, 2,
+                          whole=False, lse_decode=True)
     assert made.decode.local_lens.tolist() == [n for _, n in expected_rows(
         [40, 9], [2, 1], 0)]
 
@@ -204,10 +206,12 @@ def test_the_owned_writes_check_skips_vllms_dummy_runs_only(dummy):
     step.slot_mapping.fill_(-1)
     with runtime.step(dummy=dummy):
         if dummy:
-            plan_batch(runtime, step, 0, whole=False, lse_decode=True)
+            plan_batch(runtime.plan_inputs(step.block_table_tensor), step, 0, whole=False,
+                       lse_decode=True)
         else:
             with pytest.raises(CPKVInvariantError, match="slot mapping writes non-owned"):
-                plan_batch(runtime, step, 0, whole=False, lse_decode=True)
+                plan_batch(runtime.plan_inputs(step.block_table_tensor), step, 0,
+                           whole=False, lse_decode=True)
 
 
 def test_fp8_flashmla_rows_of_no_token_read_one():
@@ -217,7 +221,7 @@ def test_fp8_flashmla_rows_of_no_token_read_one():
     from types import SimpleNamespace
 
     from vllm_cp_kv.integration.decode import fp8_rows_need_a_token
-    from vllm_cp_kv.integration.planning import DecodeBuffers
+    from vllm_cp_kv.integration.step import DecodeBuffers
 
     buffers = DecodeBuffers(6, torch.zeros(6, 4, dtype=torch.int32))
     buffers.lens[:4] = torch.tensor([0, 5, 0, 64], dtype=torch.int32)

@@ -194,13 +194,13 @@ def test_the_pcp_tp_decode_merge_keeps_each_ranks_tp_heads():
     done in one process: every rank attends with all H heads (queries
     gathered over TP) to the tokens it owns, the LSE merge over all N ranks
     (vLLM's ``cp_lse_ag_out_ar``), then this rank's TP heads
-    (``_head_slice``): equal to attention over the whole sequence. Negative
+    (``head_slice``): equal to attention over the whole sequence. Negative
     control: slicing by the shard rank (as the TP-only layout may) gives
     another rank's heads."""
     from types import SimpleNamespace
 
     from vllm_cp_kv.core.decode import merge_by_lse
-    from vllm_cp_kv.integration.decode import _head_slice
+    from vllm_cp_kv.integration.decode import head_slice
     from vllm_cp_kv.integration.geometry import ShardGeometry
 
     g = PCPxTP(2, 2)
@@ -217,7 +217,7 @@ def test_the_pcp_tp_decode_merge_keeps_each_ranks_tp_heads():
     for r in range(g.size):
         p, t = g.coords(r)
         geo = ShardGeometry(rank=r, size=g.size, block_size=BS, axis="pcp-tp", tp=g.tp)
-        mine = _head_slice(SimpleNamespace(spec=geo), merged, H // g.tp)
+        mine = head_slice(SimpleNamespace(spec=geo), merged, H // g.tp)
         assert torch.allclose(mine.double(), want[:, g.heads(t, H)], atol=1e-6)
         by_shard_rank = merged[:, r * (H // g.tp):(r + 1) * (H // g.tp)]
         wrong += by_shard_rank.shape[1] != H // g.tp or not torch.allclose(
@@ -231,7 +231,7 @@ def test_decode_bytes_per_step_follow_the_layout_not_the_context():
     gather spans the TP ranks only; nothing depends on the context."""
     from types import SimpleNamespace
 
-    from vllm_cp_kv.integration.decode import gpu_step_bytes
+    from vllm_cp_kv.integration.decode_audit import gpu_step_bytes
 
     rows, h, qw, v = 8, 16, 576, 512
 

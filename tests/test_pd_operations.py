@@ -33,6 +33,7 @@ except ImportError:  # vLLM's dependencies
     skip_or_fail("pyzmq (a vLLM dependency) is not installed")
 
 from vllm_cp_kv.integration.connector import consumer as consumer_mod  # noqa: E402
+from vllm_cp_kv.integration.connector import auth  # noqa: E402
 from vllm_cp_kv.integration.connector import side_channel as sc  # noqa: E402
 from vllm_cp_kv.integration.connector.config import ConnectorConfig  # noqa: E402
 from vllm_cp_kv.integration.connector.scheduler import SchedulerSide  # noqa: E402
@@ -372,7 +373,7 @@ def test_a_malformed_zap_request_leaves_curve_clients_connecting():
         zap = sc.context().socket(zmq.REQ)
         zap.setsockopt(zmq.LINGER, 0)
         zap.setsockopt(zmq.RCVTIMEO, 2000)
-        zap.connect(sc._ZapHandler.ENDPOINT)
+        zap.connect(auth._ZapHandler.ENDPOINT)
         for bad in ([b"1.0"], [b"x"] * 3):  # too few frames for RFC 27
             zap.send_multipart(bad)
             assert zap.recv_multipart()[2] == b"400"

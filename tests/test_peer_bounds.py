@@ -38,6 +38,7 @@ try:
 except ImportError:  # vLLM's dependencies
     skip_or_fail("pyzmq and msgspec (vLLM dependencies) are not installed")
 
+from vllm_cp_kv.integration.connector import auth  # noqa: E402
 from vllm_cp_kv.integration.connector import side_channel as sc  # noqa: E402
 from vllm_cp_kv.integration.connector.config import (  # noqa: E402
     ConnectorConfig, check_decode_exposure)
@@ -284,7 +285,7 @@ def test_a_decode_beyond_loopback_without_allow_list_refuses_to_start(monkeypatc
     the machine's address as vLLM takes it (``get_ip()``, passed here). A
     shared secret alone does not let it start: clients would still choose
     the hosts and ports it connects to."""
-    monkeypatch.delenv(sc.SECRET_ENV, raising=False)
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
     monkeypatch.delenv("VLLM_HOST_IP", raising=False)
 
     def cfg(**extra):
@@ -304,7 +305,7 @@ def test_a_decode_beyond_loopback_without_allow_list_refuses_to_start(monkeypatc
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")  # a loopback-only setup, as the tests'
     check_decode_exposure(cfg(), "10.1.2.3")
     monkeypatch.delenv("VLLM_HOST_IP")
-    monkeypatch.setenv(sc.SECRET_ENV, "a-deployment-secret-of-32-bytes!")
+    monkeypatch.setenv(auth.SECRET_ENV, "a-deployment-secret-of-32-bytes!")
     with pytest.raises(ValueError, match="a shared secret authenticates"):
         check_decode_exposure(cfg(side_channel_host="10.1.2.3"), None)
     check_decode_exposure(cfg(side_channel_host="10.1.2.3",
@@ -328,7 +329,7 @@ def test_a_real_decode_server_beyond_loopback_refuses_to_start(tiny_dsv2):
     non-loopback side_channel_host, sets neither allow-list nor secret."""
     import os
 
-    env = {k: v for k, v in os.environ.items() if k != sc.SECRET_ENV}
+    env = {k: v for k, v in os.environ.items() if k != auth.SECRET_ENV}
     env.update(CPU_ENV, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = subprocess.run([sys.executable, "-c", DECODE, tiny_dsv2], env=env,
                           capture_output=True, text=True, timeout=300)

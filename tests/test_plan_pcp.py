@@ -118,7 +118,8 @@ def test_the_builders_pcp_chunks_are_the_same_on_every_rank(name):
     (the debug switch's identical-plan check compares all of it)."""
     from types import SimpleNamespace
 
-    from vllm_cp_kv.integration.planning import PCPStep, _plan_pcp
+    from vllm_cp_kv.integration.planning import _plan_pcp
+    from vllm_cp_kv.integration.step import PCPStep
 
     n = 4
     (sched, computed, prefilling), total, keys, state_table, _, _ = scenario(n, name)
@@ -127,10 +128,9 @@ def test_the_builders_pcp_chunks_are_the_same_on_every_rank(name):
         rows = local_rows(manager(n, rank, dcp=n), rank, sched, computed, prefilling)
         row_keys = keys[[g for g, _ in rows]]
         step = PCPStep(keys=keys, seq_lens=total, is_prefill=prefilling, row_keys=row_keys)
-        runtime = SimpleNamespace(spec=spec(n, rank), debug=False,
-                                  pool=SimpleNamespace(capacity_blocks=2 * n))
+        inputs = SimpleNamespace(spec=spec(n, rank), debug=False, pool_blocks=2 * n)
         local_columns = max(-(-(reads + 1) // BS) for _, reads in rows)
-        _, full, _, chunks, local = _plan_pcp(runtime, step, state_table[row_keys],
+        _, full, _, chunks, local = _plan_pcp(inputs, step, state_table[row_keys],
                                               len(rows), True, local_columns, True)
         assert full.shape[0] == len(rows) and local.shape[0] == len(rows)
         per_rank.append(chunks)

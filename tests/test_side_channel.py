@@ -43,9 +43,10 @@ except ImportError:  # vLLM's dependencies
 
 from vllm_cp_kv.integration.connector.consumer import Consumer  # noqa: E402
 from vllm_cp_kv.integration.connector.params import parse_params  # noqa: E402
+from vllm_cp_kv.integration.connector.schema import (  # noqa: E402
+    Done, Error, Fetch, FetchReply, Ok, Release)
 from vllm_cp_kv.integration.connector.side_channel import (  # noqa: E402
-    MAX_FRAME_BYTES, MAX_REQUEST_BYTES, Done, Error, Fetch, FetchReply, Ok, Release, SideChannelClient,
-    SideChannelError, new_nonce)
+    MAX_FRAME_BYTES, MAX_REQUEST_BYTES, SideChannelClient, SideChannelError, new_nonce)
 
 TOKENS = {"req-A": secrets.token_urlsafe(32), "req-B": secrets.token_urlsafe(32)}
 TA, TB = TOKENS["req-A"], TOKENS["req-B"]
@@ -328,7 +329,7 @@ def test_another_fp8_format_is_a_handshake_mismatch():
     """Two FP8 caches (e4m3 and e5m2) are the same torch dtype (uint8) and
     page size: only the cache format tells them apart, and reading the
     other's bytes would decode garbage. ``fp8`` is vLLM's e4m3."""
-    from vllm_cp_kv.integration.connector.side_channel import cache_format
+    from vllm_cp_kv.integration.connector.schema import cache_format
 
     assert cache_format("fp8") == cache_format("fp8_e4m3") == "fp8_e4m3"
     assert cache_format(None) == cache_format("bfloat16") == "auto"

@@ -52,19 +52,23 @@ def _args(cache, skip_insert):
                       skip_topk_buffer_clear=True)
 
 
-def _context(monkeypatch, metadata):
+def _context(monkeypatch, metadata, runtime=None):
+    """vLLM's forward context: the batch's metadata, and the indexer cache
+    layer the worker bound the runtime to."""
     import vllm.forward_context as fc
 
+    layers = {"layer.0.k_cache": SimpleNamespace(cp_kv_runtime=runtime)}
     monkeypatch.setattr(fc, "get_forward_context",
-                        lambda: SimpleNamespace(attn_metadata=metadata))
+                        lambda: SimpleNamespace(attn_metadata=metadata,
+                                                no_compile_layers=layers))
 
 
 @pytest.mark.parametrize("skip_insert", [True, False])  # TP; PCP inserts in the op
 def test_sharded_batch_runs_the_op_on_the_full_view(wrapped, monkeypatch, skip_insert):
     op, calls, writes, full, runtime, layers = wrapped
     persistent = torch.zeros(8, 64, 132, dtype=torch.uint8)
-    md = SimpleNamespace(cp_kv=SimpleNamespace(plan=object(), runtime=runtime))
-    _context(monkeypatch, {"layer.0.k_cache": md})
+    md = SimpleNamespace(cp_kv=SimpleNamespace(plan=object()))
+    _context(monkeypatch, {"layer.0.k_cache": md}, runtime)
     args, kwargs = _args(persistent, skip_insert)
     assert op(*args, **kwargs) == "topk"
     (_, got), = calls

@@ -133,3 +133,35 @@ def test_a_chained_draft_step_under_pcp_drops_the_split_and_its_padding(pcp_mana
         assert batch.pcp_step is None and batch.padding is None and batch.plans == {}
         forward(md, cfg, is_padding=draft)
         assert seen[-1].tolist() == draft.tolist() * 2
+
+
+def test_a_plan_is_frozen_and_refused_once_its_step_ended():
+    """The batch plan is frozen (builders replace, readers read); its views
+    live in the runtime by epoch, reused within the step and through a
+    drafter's new forward, and a plan of an ended step is refused (negative
+    control: reading it after the next step began raises)."""
+    import dataclasses
+
+    from vllm_cp_kv.integration.step import BatchContext, BatchPlan
+
+    runtime = _runtime()
+
+    def plan():
+        return BatchPlan(epoch=runtime.next_epoch(), batch=runtime.batch(), plan=None,
+                         full_table=None, reads=False)
+
+    with runtime.step():
+        made = plan()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            made.decode = None
+        runtime.live(made)
+        assert runtime.first_check("decode", made) and not runtime.first_check("decode", made)
+        runtime.new_forward()
+        runtime.live(made)  # the drafter's first forward reads the target's plan
+        later = plan()
+        assert later.epoch > made.epoch and runtime.first_check("decode", later)
+    with runtime.step():
+        with pytest.raises(RuntimeError, match="ended step"):
+            runtime.live(made)
+        runtime.live(plan())
+    assert isinstance(made.batch, BatchContext)

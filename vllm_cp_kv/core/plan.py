@@ -103,6 +103,22 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return ring.upload(host.to(torch.int64))
 
 
+def _distinct_blocks(owner: torch.Tensor, phys: torch.Tensor, n: int):
+    """The distinct (owner, physical block) pairs of the reads, sorted:
+    ``(order, owner, phys, slot, counts)``, ``order`` the sort of the
+    reads, ``slot`` each sorted read's rank within its owner's distinct
+    blocks, ``counts`` ``[n]`` the distinct blocks of each owner."""
+    keys, order = torch.sort(owner * _KEY_STRIDE + phys)
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = keys[1:] != keys[:-1]
+    unique_id = torch.cumsum(first, 0) - 1
+    k_owner, k_phys = owner[order], phys[order]
+    counts = torch.zeros(n, dtype=torch.int64, device=owner.device).index_add_(
+        0, k_owner, first.to(torch.int64))
+    slot = unique_id - (torch.cumsum(counts, 0) - counts)[k_owner]
+    return order, k_owner, k_phys, slot, counts
+
+
 def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
                          seq_lens: torch.Tensor,
                          pad_block_id: int = 0,
@@ -164,15 +180,7 @@ def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
     req, col, j = to_device(torch.stack([req, col, col + first[req]]), device)
     owner = spec.owner_of(j)
     phys = block_table[req, spec.table_index(j)].to(torch.int64)
-    # distinct (owner, physical block) pairs, sorted: slot = rank within owner
-    keys, order = torch.sort(owner * _KEY_STRIDE + phys)
-    first = torch.ones_like(keys, dtype=torch.bool)
-    first[1:] = keys[1:] != keys[:-1]
-    unique_id = torch.cumsum(first, 0) - 1
-    k_owner, k_phys = owner[order], phys[order]
-    counts = torch.zeros(n, dtype=torch.int64, device=device).index_add_(
-        0, k_owner, first.to(torch.int64))
-    slot = unique_id - (torch.cumsum(counts, 0) - counts)[k_owner]
+    order, k_owner, k_phys, slot, counts = _distinct_blocks(owner, phys, n)
     # the one device-to-host read: the collective's size and the id check
     per_rank, min_phys = (int(v) for v in torch.stack([counts.max(), phys.min()]).cpu())
     if min_phys < 0:

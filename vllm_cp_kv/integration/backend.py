@@ -36,7 +36,7 @@ from functools import cache
 
 import torch
 
-from . import context, decode, vllm_api
+from . import context, decode, decode_audit, vllm_api
 from .geometry import group_size_of
 from .options import debug_enabled, options_of
 from ..core.decode import merge_two_by_lse
@@ -131,13 +131,15 @@ class ShardedBuilder:
         # sparse rows all read the full view (``whole``); their decode rows
         # are counted only for the statistics' step kind
         num_decodes = split_rows(self, common)
-        made = plan_batch(runtime, common, num_decodes, whole=sparse,
+        made = plan_batch(runtime.plan_inputs(common.block_table_tensor), common,
+                          num_decodes, whole=sparse,
                           lse_decode=self.cp_kv_lse_decode, chunked=self.cp_kv_chunked,
                           owned=self.cp_kv_owned)
         metadata = super().build(common_prefix_len, translated(common, made.full_table),
                                  fast_build)
         if made.loop and made.reads and metadata.prefill is not None:
-            made.vllm_chunks = self._chunk_metadata(made, common, metadata.prefill)
+            made = dataclasses.replace(
+                made, vllm_chunks=self._chunk_metadata(made, common, metadata.prefill))
         if not sparse and metadata.num_decodes != num_decodes:
             raise RuntimeError(
                 f"cp_kv: {num_decodes} decode rows planned but the "
@@ -145,11 +147,11 @@ class ShardedBuilder:
         if made.decode is not None and common.block_table_tensor.is_cuda:
             metadata.decode = decode.build_local(self, made.decode, self.cp_kv_decode_ranks)
             runtime.batch_bytes(self._decode_bytes(made.decode, runtime.spec.size))
-        elif made.decode is not None and self.cp_kv_inner.get_name() == "AMX_MLA" \
-                and made.amx is None:
-            made.amx = decode.build_local_amx(made.decode, self.kv_cache_spec.block_size)
+        elif made.decode is not None and self.cp_kv_inner.get_name() == "AMX_MLA":
+            made = dataclasses.replace(made, amx=decode.build_local_amx(
+                made.decode, self.kv_cache_spec.block_size))
         if made.decode is not None and self.cp_kv_kernel_check:
-            made.decode_builder = self  # debug: vLLM's kernel on a view
+            made = dataclasses.replace(made, decode_builder=self)  # debug: vLLM's kernel
         metadata.cp_kv = made
         return metadata
 
@@ -177,7 +179,7 @@ class ShardedBuilder:
 
     def _decode_bytes(self, view, size: int) -> int:
         """This step's shard-aware decode bytes over the builder's layers
-        (``decode.gpu_step_bytes``; counted here since a replayed graph runs
+        (``decode_audit.gpu_step_bytes``; counted here since a replayed graph runs
         no Python)."""
         config = self.cp_kv_layers[0]
         elt = config.model_config.dtype.itemsize
@@ -185,7 +187,7 @@ class ShardedBuilder:
         parallel = config.parallel_config
         gathers = view.gather_heads and not (
             parallel.dcp_q_replicate and parallel.prefill_context_parallel_size == 1)
-        per_layer = decode.gpu_step_bytes(
+        per_layer = decode_audit.gpu_step_bytes(
             view, heads=self.num_heads * self.cp_kv_decode_ranks,
             q_width=self.kv_cache_spec.head_size, v_dim=self.mla_dims.kv_lora_rank,
             q_bytes=elt, out_bytes=elt, size=size, gathers_queries=gathers,
@@ -196,7 +198,7 @@ class ShardedBuilder:
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
         """The inner builder's support where decode rows take the shard-aware
         decode (its per-step inputs live in persistent buffers:
-        ``planning.DecodeBuffers``). A decode that reads a materialized full
+        ``step.DecodeBuffers``). A decode that reads a materialized full
         view (sparse models, ``cp_kv.decode = "materialize"``) gathers a
         per-batch plan and cannot be captured: NEVER, so vLLM keeps
         attention out of its graphs (its default mode becomes PIECEWISE)."""
@@ -267,6 +269,7 @@ class ShardedImpl:
         vllm_api.impl_reports_unsharded(self)  # see the module docstring
         self.cp_kv_layer: str | None = None  # bound by the worker
         self.cp_kv_module = None  # its MLA layer (weak; W_UK_T, W_UV)
+        self.cp_kv_runtime = None  # the worker's ShardRuntime, bound with the layer
         self.cp_kv_decode_ranks = decode_kernel_ranks(config, self.is_sparse)  # the builder's
 
     def reserve_workspace(self) -> None:
@@ -284,22 +287,23 @@ class ShardedImpl:
         the owned context path reads its absorption weights)."""
         self.cp_kv_layer = layer_name
         self.cp_kv_module = None if layer is None else weakref.ref(layer)
+        self.cp_kv_runtime = getattr(layer, "cp_kv_runtime", None)
 
     def _full_view(self, kv_cache, made, chunk: int = 0):
         if self.cp_kv_layer is None:
             raise RuntimeError("cp_kv: a sharded attention impl ran before the worker "
                                "bound it to its layer (ShardedKVWorker.bind_layers).")
-        return made.runtime.materialize(made, kv_cache, self.cp_kv_layer, chunk)
+        return self.cp_kv_runtime.materialize(made, kv_cache, self.cp_kv_layer, chunk)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         made = attn_metadata.cp_kv
         if made.decode is None:  # the inner kernel on the full view, this rank's heads
             full = self._full_view(kv_c_and_k_pe_cache, made)
-            return super().forward_mqa(decode.own_heads(made.runtime, q, self.num_heads),
+            return super().forward_mqa(decode.own_heads(self.cp_kv_runtime, q, self.num_heads),
                                        full, attn_metadata, layer)
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
-        runtime, inner = made.runtime, super().forward_mqa
+        runtime, inner = self.cp_kv_runtime, super().forward_mqa
         if q.is_cuda:
             out = decode.run_gpu(self, inner, runtime, q, kv_c_and_k_pe_cache,
                                  attn_metadata, layer, self.cp_kv_lse_context)
@@ -307,8 +311,8 @@ class ShardedImpl:
             out = decode.run_cpu(runtime, q, kv_c_and_k_pe_cache, made.decode, self.scale,
                                  self.kv_lora_rank, self.num_heads, made.amx)
         if runtime.debug and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-            decode.check_against_full_view(self, inner, q, out, attn_metadata,
-                                           kv_c_and_k_pe_cache, layer)
+            decode_audit.check_against_full_view(self, inner, q, out, attn_metadata,
+                                                 kv_c_and_k_pe_cache, layer)
         return out, None
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata,
@@ -339,7 +343,7 @@ class ShardedImpl:
         out, lse = self._gathered_context(q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
         if made.owned is None:
             return out, lse
-        o, l = context.owned_context(made.runtime, made.owned, q, kv_c_and_k_pe_cache,
+        o, l = context.owned_context(self.cp_kv_runtime, made.owned, q, kv_c_and_k_pe_cache,
                                      self.cp_kv_module(), scale=self.scale,
                                      v_dim=self.kv_lora_rank, gpu_kernel=q.is_cuda)
         if out is None:  # no row read gathered: the others have no context

@@ -3,7 +3,8 @@
 Two stages, both run only when ``cp_kv.enable`` is set:
 
 * :func:`check_engine_args` runs on the user's ``EngineArgs`` before vLLM
-  builds its config, and derives the settings sharding needs
+  builds its config: :func:`validate_engine_args` refuses, changing
+  nothing; :func:`derive_engine_args` then sets what sharding needs
   (``decode_context_parallel_size``; on CPU, PyTorch's rope).
 * :func:`check_vllm_config` runs once the model config and the block size
   are known, and pins ``cp_kv_cache_interleave_size`` to the block size.
@@ -64,16 +65,43 @@ def check_vllm_version(version: str | None = None) -> None:
 
 
 def check_engine_args(args, options: CPKVOptions) -> None:
-    """Validate and derive engine args in place (frontend, before VllmConfig)."""
+    """The frontend stage (before VllmConfig): :func:`validate_engine_args`
+    (raises, changes nothing), then, where the KV is sharded,
+    :func:`derive_engine_args` (sets what sharding needs)."""
+    if validate_engine_args(args, options):
+        derive_engine_args(args, options)
+
+
+def validate_engine_args(args, options: CPKVOptions) -> bool:
+    """Refuse what the plugin cannot run, with what to change; returns
+    whether the KV is sharded (``cp_kv.kv_sharding``)."""
     check_vllm_version()
-    tp = args.tensor_parallel_size
-    pcp = args.prefill_context_parallel_size
     if args.worker_cls not in ("auto", None):
         raise CPKVConfigError(
             f"cp_kv: a custom --worker-cls ({args.worker_cls}) cannot be combined "
             "with cp_kv, which installs its own worker; remove --worker-cls.")
     if not options.kv_sharding:
-        return  # only the last-token gather: vLLM's own layout and checks
+        return False  # only the last-token gather: vLLM's own layout and checks
+    _check_parallel(args, options)
+    _check_layout_flags(args)
+    _check_model_args(args, options)
+    return True
+
+
+def derive_engine_args(args, options: CPKVOptions) -> None:
+    """Set in place what sharding needs: DCP = the shard group; on CPU
+    PyTorch's rope and vLLM's DCP query replication."""
+    pcp = args.prefill_context_parallel_size
+    args.decode_context_parallel_size = shard_group_size(args.tensor_parallel_size, pcp)
+    if not _on_gpu():
+        derive_torch_rope(args.compilation_config)
+        derive_query_replication(args, pcp, options)
+
+
+def _check_parallel(args, options: CPKVOptions) -> None:
+    """The parallel layout, CUDA graphs, prefetch and speculative decoding."""
+    tp = args.tensor_parallel_size
+    pcp = args.prefill_context_parallel_size
     if getattr(args, "enable_dbo", False):
         raise CPKVConfigError(
             "cp_kv: dual-batch overlap (--enable-dbo) is not supported with sharded KV "
@@ -100,13 +128,26 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             f"(--prefill-context-parallel-size={pcp}) needs vLLM's GPU V2 model "
             "runner; on this platform shard over TP instead "
             "(--tensor-parallel-size N).")
-    size = shard_group_size(tp, pcp)
-    if size < 2:
+    if shard_group_size(tp, pcp) < 2:
         raise CPKVConfigError(
             "cp_kv: the KV shard group has size 1 (--tensor-parallel-size=1, "
             "--prefill-context-parallel-size=1), so there is nothing to shard; "
             "set --tensor-parallel-size 2 or more (or, on GPU, "
             "--prefill-context-parallel-size 2 or more), or disable cp_kv.")
+    if args.speculative_config:
+        check_speculative(args.speculative_config)
+        if _on_gpu() and not args.enforce_eager and pcp > 1:
+            raise CPKVConfigError(
+                "cp_kv: speculative decoding under PCP needs --enforce-eager: vLLM 0.34's "
+                "own PCP fails with MTP in CUDA graphs (its draft prefill: a CUDA error "
+                "capturing it on TRITON_MLA, FlashAttention's scheduler metadata on "
+                "FLASH_ATTN_MLA), sharded or not; add --enforce-eager, or remove "
+                "--speculative-config.")
+
+
+def _check_layout_flags(args) -> None:
+    """The DCP size and interleave the plugin sets itself: absent or equal."""
+    size = shard_group_size(args.tensor_parallel_size, args.prefill_context_parallel_size)
     dcp = args.decode_context_parallel_size
     if dcp not in (1, size):
         raise CPKVConfigError(
@@ -120,15 +161,10 @@ def check_engine_args(args, options: CPKVOptions) -> None:
             f"cp_kv: --cp-kv-cache-interleave-size={interleave} differs from "
             f"--block-size={args.block_size}; block ownership needs them equal. "
             "Remove --cp-kv-cache-interleave-size (cp_kv sets it).")
-    if args.speculative_config:
-        check_speculative(args.speculative_config)
-        if _on_gpu() and not args.enforce_eager and pcp > 1:
-            raise CPKVConfigError(
-                "cp_kv: speculative decoding under PCP needs --enforce-eager: vLLM 0.34's "
-                "own PCP fails with MTP in CUDA graphs (its draft prefill: a CUDA error "
-                "capturing it on TRITON_MLA, FlashAttention's scheduler metadata on "
-                "FLASH_ATTN_MLA), sharded or not; add --enforce-eager, or remove "
-                "--speculative-config.")
+
+
+def _check_model_args(args, options: CPKVOptions) -> None:
+    """The model, its KV cache dtype, and what a sparse model refuses."""
     check_hisparse(args.attention_config)
     # Before vLLM's own DCP validation, which would reject a non-MLA model
     # with a message that does not mention cp_kv.
@@ -137,16 +173,13 @@ def check_engine_args(args, options: CPKVOptions) -> None:
     sparse = bool(getattr(model_config.hf_text_config, "index_topk", None))
     check_kv_cache_dtype(str(getattr(args, "kv_cache_dtype", None) or "auto"), sparse)
     if sparse and _on_gpu() and not args.enforce_eager:
-        check_sparse_graphs(options, pcp, bool(args.speculative_config))
+        check_sparse_graphs(options, args.prefill_context_parallel_size,
+                            bool(args.speculative_config))
     if options.prefetch and sparse:
         raise CPKVConfigError(
             "cp_kv: prefetch is for dense MLA models; a sparse-attention model reads "
             "this step's tokens through its view (the indexer too), which the prefetch "
             "would read stale. Remove cp_kv.prefetch.")
-    args.decode_context_parallel_size = size
-    if not _on_gpu():
-        derive_torch_rope(args.compilation_config)
-        derive_query_replication(args, pcp, options)
 
 
 def _amx_mla_chosen(args) -> bool:
@@ -344,7 +377,7 @@ def check_cuda_graphs(compilation_config) -> None:
     where attention runs between the graph pieces. Decode batches with the
     shard-aware decode are captured whole: every per-step input of the
     captured kernels and collectives is a persistent buffer written in place
-    (``planning.DecodeBuffers``). A decode that reads a materialized full
+    (``step.DecodeBuffers``). A decode that reads a materialized full
     view (sparse models, ``cp_kv.decode = "materialize"``) declares no
     full-graph support, so vLLM keeps attention out of its graphs
     (``backend.ShardedBuilder.get_cudagraph_support``). The debug switch

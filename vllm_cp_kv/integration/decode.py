@@ -5,7 +5,7 @@ merge: ``core/decode.py``). Queries, outputs and LSEs cross ranks, never the
 context.
 
 * The decode rows' paged view of the owned tokens
-  (:class:`~vllm_cp_kv.integration.planning.DecodeView`) is planned once per
+  (:class:`~vllm_cp_kv.integration.step.DecodeView`) is planned once per
   batch with the rest of the batch (``planning.decode_view``). **Rows with
   several query tokens** (speculative verification, short prefills a
   backend routes to its decode path) become rows of one query token each
@@ -18,24 +18,23 @@ context.
   own CPU decode kernel, whose split-KV workspace holds the LSE, else torch
   attention with the LSE (CPU_MLA's kernel returns none), and a packed
   all-gather (vLLM's merge is Triton-only).
-* :func:`check_against_full_view`: the debug check (``VLLM_CP_KV_DEBUG``).
+
+What a step moves and the debug check against a full view are
+``decode_audit.py``'s.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 
 from vllm.logger import init_logger
 
-from ..core import debug as core_debug
-from ..core.decode import merge_by_lse, paged_attention_with_lse
-from ..core.plan import plan_materialization
+from ..core.decode import paged_attention_with_lse
 from . import vllm_api
 from .merge import combine
-from .planning import DecodeView
+from .step import AMXLocal, DecodeView
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
@@ -67,7 +66,7 @@ def build_local(builder, view: DecodeView, heads_of_ranks: int):
     persistent buffers (its scheduler metadata)."""
     lens = view.kernel_lens if fp8_rows_need_a_token(builder) else view.local_lens
     with vllm_api.heads_of(builder, heads_of_ranks):
-        return _one_query_rows(builder, view, view.block_table, lens, view.max_local_len)
+        return one_query_rows(builder, view, view.block_table, lens, view.max_local_len)
 
 
 def fp8_rows_need_a_token(builder) -> bool:
@@ -80,33 +79,13 @@ def fp8_rows_need_a_token(builder) -> bool:
     return "FlashMLAMetadataBuilder" in names and bool(getattr(builder, "is_fp8_kvcache", False))
 
 
-def _one_query_rows(builder, view: DecodeView, table, lens, max_len: int):
+def one_query_rows(builder, view: DecodeView, table, lens, max_len: int):
     """vLLM's decode metadata for the rows of ``view`` (one query token
     each) over ``table`` with ``lens`` tokens per row."""
     return vllm_api.build_decode(
         builder, block_table=table, seq_lens=lens, max_seq_len=max_len,
         query_start_loc_cpu=view.query_start_loc_cpu, query_start_loc=view.query_start_loc,
         num_tokens=lens.shape[0])
-
-
-def gpu_step_bytes(view: DecodeView, *, heads: int, q_width: int, v_dim: int,
-                   q_bytes: int, out_bytes: int, size: int, gathers_queries: bool,
-                   head_ranks: int | None = None) -> int:
-    """What one layer's shard-aware decode receives from the other ranks on
-    GPU (:func:`run_gpu`), from the batch's shapes alone: a replayed CUDA
-    graph runs no Python, so the builder counts a step's bytes when it
-    plans the step. ``heads``: all H; ``gathers_queries``: the query
-    all-gather over the ``head_ranks`` ranks (default: all ``size``) runs
-    (not with vLLM's query replication or under PCP with TP 1). The outputs
-    are reduce-scattered where the heads split over the whole group (TP),
-    else all-reduced (a ring's ``2 (N - 1) / N``)."""
-    rows, n = view.local_lens.shape[0], size
-    t = n if head_ranks is None else head_ranks
-    q = rows * heads * q_width * q_bytes * (t - 1) // t if gathers_queries else 0
-    lse = rows * heads * 4 * (n - 1)  # float32 LSEs, all-gathered
-    share = (n - 1) if t == n else 2 * (n - 1)
-    out = rows * heads * v_dim * out_bytes * share // n
-    return q + lse + out
 
 
 def all_heads(runtime, view: DecodeView, q: torch.Tensor, local_heads: int,
@@ -128,10 +107,10 @@ def own_heads(runtime, q, local_heads: int):
     attends with its own heads only)."""
     if isinstance(q, tuple) or q.shape[1] == local_heads:
         return q
-    return _head_slice(runtime, q, local_heads)
+    return head_slice(runtime, q, local_heads)
 
 
-def _head_slice(runtime, x: torch.Tensor, local_heads: int) -> torch.Tensor:
+def head_slice(runtime, x: torch.Tensor, local_heads: int) -> torch.Tensor:
     """This rank's ``local_heads`` heads of ``[B, H, ...]``."""
     rank = runtime.spec.head_rank
     return x[:, rank * local_heads:(rank + 1) * local_heads]
@@ -165,7 +144,7 @@ def run_gpu(impl, forward_mqa, runtime, q, kv_cache, attn_metadata, layer, lse_c
     combine = cp_lse_ag_out_rs if scatter else cp_lse_ag_out_ar
     out = combine(out, lse, runtime.group, is_lse_base_on_e=impl.lse_base_on_e,
                   seq_lens=view.local_lens, query_start_loc=view.query_start_loc)
-    return _head_slice(runtime, out, impl.num_heads) if keep_own else out
+    return head_slice(runtime, out, impl.num_heads) if keep_own else out
 
 
 def merge_kind(spec, gather_heads: bool) -> tuple[bool, bool]:
@@ -176,18 +155,6 @@ def merge_kind(spec, gather_heads: bool) -> tuple[bool, bool]:
     keep this rank's ``H / TP``; under PCP with TP 1 every rank keeps all."""
     split = spec.head_ranks == spec.size
     return gather_heads and split, gather_heads and not split
-
-
-@dataclass(frozen=True)
-class AMXLocal:
-    """AMX_MLA: the decode metadata of vLLM's CPU decode kernel
-    (``decode_attention_cpu``) for this rank's own blocks, made as
-    ``AMXMLAMetadataBuilder.build`` makes it (once per batch)."""
-
-    req_to_token: torch.Tensor  # [T, C * block_size] int64: physical row of each position
-    req_pool_indices: torch.Tensor  # [T] int64
-    seq_lens: torch.Tensor  # [T] int64: owned tokens each query token sees
-    num_kv_splits: int
 
 
 def build_local_amx(view: DecodeView, block_size: int) -> AMXLocal:
@@ -243,51 +210,3 @@ def run_cpu(runtime, q, kv_cache, view: DecodeView, scale: float, v_dim: int,
         out, lse = paged_attention_with_lse(q, kv_cache, view.block_table, view.local_lens,
                                             scale, v_dim)
     return combine(runtime, out, lse, view.gather_heads).to(q.dtype)
-
-
-def _dequantized(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """An FP8 query or cache (vLLM's FP8 MLA kernels take both quantized,
-    each with a per-tensor scale) in float32; other dtypes as they are."""
-    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return x.float() * scale
-    return x
-
-
-def check_against_full_view(impl, forward_mqa, q, out, attn_metadata, kv_cache,
-                            layer) -> None:
-    """Debug: once per step, the merged decode output of one layer against
-    float32 attention over the materialized full view, and vLLM's own
-    decode kernel on that view against the same reference (rows of one
-    query token each; both errors go to the statistics)."""
-    made = attn_metadata.cp_kv
-    runtime, view = made.runtime, made.decode
-    if made.batch.debug_decode_checked:
-        return
-    made.batch.debug_decode_checked = True
-    # whole lengths: every rank's owned counts, summed
-    mine = view.local_lens.reshape(1, -1).long().contiguous().view(torch.float32)
-    lens = runtime.group.all_gather(mine, dim=0).view(torch.int64).sum(dim=0).cpu()
-    plan = plan_materialization(runtime.spec, view.block_table, lens)
-    full = runtime.materialize_for_check(plan, kv_cache)
-    q_all = all_heads(runtime, view, q, impl.num_heads, count=False)
-    q_scale, k_scale = vllm_api.fp8_scales(layer)
-    ref, _ = paged_attention_with_lse(_dequantized(q_all, q_scale), _dequantized(full, k_scale),
-                                      plan.full_block_table, lens, impl.scale,
-                                      impl.kv_lora_rank)
-    if view.gather_heads:
-        ref = _head_slice(runtime, ref, out.shape[1])
-    unsharded = None
-    if made.decode_builder is not None and not view.multi_query:
-        md = copy.copy(attn_metadata)
-        md.decode = _one_query_rows(
-            made.decode_builder, view, plan.full_block_table.to(view.block_table.device),
-            lens.to(device=view.local_lens.device, dtype=torch.int32), int(lens.max()))
-        unsharded = forward_mqa(q, full, md, layer)[0]
-        if unsharded.shape[1] != out.shape[1]:  # replicated queries: this rank's heads
-            unsharded = _head_slice(runtime, unsharded, out.shape[1])
-    err, inner_err = core_debug.check_decode_merge(out, ref, runtime.spec, unsharded)
-    runtime.stats.note_decode_check(err, inner_err)
-    if runtime.stats.debug_decode_checks == 1:
-        logger.info("cp_kv: debug: LSE-merged decode equals attention over the "
-                    "materialized full view (largest difference %.3g; vLLM's "
-                    "kernel on that view: %s).", err, inner_err)

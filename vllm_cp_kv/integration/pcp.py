@@ -11,7 +11,7 @@ over the PCP group needs, and :func:`make_runner_cls` selects it through
   (vLLM's PCP path) and writes only the rows it owns.
 * **Plan.** Ranks run different chunks of each prefill, but the full-view
   gather is a collective: each step the manager records the global batch
-  (:class:`~vllm_cp_kv.integration.planning.PCPStep`) so that every rank's
+  (:class:`~vllm_cp_kv.integration.step.PCPStep`) so that every rank's
   metadata builder derives the same plan.
 * **MoE padding** (vLLM 0.32 only: from 0.33 vLLM's manager gathers the
   mask itself, ``vllm_api.vllm_gathers_moe_padding``). Under PCP vLLM 0.32's
@@ -26,7 +26,7 @@ over the PCP group needs, and :func:`make_runner_cls` selects it through
   :func:`gathered_padding`).
 
 Both records go into the open step's
-:class:`~vllm_cp_kv.integration.planning.BatchContext`, which the worker opens
+:class:`~vllm_cp_kv.integration.step.BatchContext`, which the worker opens
 for each ``execute_model`` and :class:`make_runner_cls`'s runner for each of
 vLLM's dummy runs (``ShardRuntime.step``); the manager never opens or
 closes one.
@@ -44,7 +44,7 @@ from vllm.v1.worker.gpu.pcp_manager import PCPManager
 from . import vllm_api
 from .last_token import LastTokenPCPManager, bound_manager_cls
 from .options import options_of
-from .planning import PCPStep
+from .step import PCPStep
 
 
 def rank_token_counts(manager: PCPManager, num_scheduled, is_prefilling) -> list[int]:

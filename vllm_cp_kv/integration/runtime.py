@@ -6,7 +6,7 @@ plugin makes span the TP group, the PCP group, or both), the head group
 (the ranks the query heads split over: the shard group under TP, vLLM's TP
 group under PCP x TP), the scratch
 pool, the running statistics, and the one open
-:class:`~vllm_cp_kv.integration.planning.BatchContext` of the engine step
+:class:`~vllm_cp_kv.integration.step.BatchContext` of the engine step
 (:meth:`ShardRuntime.step`). Builders reach it through their layers
 (:func:`runtime_of_layers`), impls through their binding, everything else
 through the batch plan on the attention metadata: no module global.
@@ -27,7 +27,7 @@ from ..core.materialize import (AllGatherFn, LayerPrefetcher, ScratchPool,
 from ..core.plan import MaterializationPlan
 from .geometry import ShardGeometry, shard_rank
 from .options import debug_enabled
-from .planning import BatchContext, BatchPlan, DecodeBuffers
+from .step import BatchContext, BatchPlan, DecodeBuffers, PlanInputs
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
@@ -82,6 +82,11 @@ def make_all_gather_into(group) -> AllGatherFn:
     return all_gather_into_fn(group.device_group)
 
 
+# plans whose per-layer state is kept outside a step (the builders of one
+# dummy forward: the latent's and, for sparse models, the indexer's)
+OUTSIDE_STEP_PLANS = 4
+
+
 class ShardRuntime:
     """What the sharded builders and impls of one worker share."""
 
@@ -109,6 +114,15 @@ class ShardRuntime:
         self.layer_caches: list[torch.Tensor] = []
         self._batch: BatchContext | None = None
         self._link = None  # the group's collective cost (context.measure_link)
+        # the per-layer state of the live plans (BatchPlan is frozen), keyed
+        # by the plan's epoch: full views by (epoch, layer, chunk), the
+        # prefetcher by epoch, debug-once flags by (kind, epoch); plans older
+        # than ``_live_from`` belong to an ended step or forward
+        self._epoch = 0
+        self._live_from = 1
+        self._views: dict[tuple, torch.Tensor] = {}
+        self._prefetchers: dict[int, LayerPrefetcher] = {}
+        self._checked: set[tuple] = set()
 
     @property
     def measured_link(self):
@@ -122,12 +136,14 @@ class ShardRuntime:
         speculative drafter runs). A step left open is closed first."""
         if self._batch is not None:
             self.end_step()
+        self._retire_plans()  # the plans of vLLM's runs outside a step too
         self._batch = BatchContext()
         return self._batch
 
     def end_step(self, count: bool = True) -> None:
         """Close the open step; ``count``: into the statistics."""
         batch, self._batch = self._batch, None
+        self._retire_plans()
         if batch is not None and count and (batch.has_plans or batch.bytes):
             self._count_step(batch)
 
@@ -153,10 +169,56 @@ class ShardRuntime:
         chained draft steps under PCP), so the step's PCP split and its
         padding masks no longer describe it."""
         if self._batch is not None:
-            self._batch.plans = {}
+            self._batch.plans = {}  # (the step's earlier plans stay live: the
+            # drafter's first forward reads the target's metadata)
             if replicated:
                 self._batch.pcp_step = None
                 self._batch.padding = None
+
+    def plan_inputs(self, table: torch.Tensor) -> PlanInputs:
+        """What ``planning.plan_batch`` reads of this runtime, for a batch
+        whose block table is ``table`` (the decode buffers are per width)."""
+        return PlanInputs(spec=self.spec, batch=self.batch(), epoch=self.next_epoch(),
+                          pool_blocks=None if self.pool is None else self.pool.capacity_blocks,
+                          buffers=self.decode_buffers(table), link_of=self.link,
+                          debug=self.debug)
+
+    def next_epoch(self) -> int:
+        """The epoch of a new plan (``planning.plan_batch``). Outside a step
+        (vLLM's profile and dummy runs) each build plans on its own and no
+        step ends to retire them: the state of all but the last few plans
+        goes (those runs are single forwards)."""
+        self._epoch += 1
+        if self._batch is None:
+            old = self._epoch - OUTSIDE_STEP_PLANS
+            self._views = {k: v for k, v in self._views.items() if k[0] > old}
+            self._prefetchers = {k: v for k, v in self._prefetchers.items() if k > old}
+        return self._epoch
+
+    def _retire_plans(self) -> None:
+        """Plans made so far are of an ended step (or of runs outside one):
+        their views, prefetcher and flags go, and :meth:`live` refuses them."""
+        self._live_from = self._epoch + 1
+        self._views.clear()
+        self._prefetchers.clear()
+        self._checked.clear()
+
+    def live(self, made: BatchPlan) -> None:
+        """Refuse a plan whose step has ended (its views would be of another
+        batch's blocks)."""
+        if made.epoch < self._live_from:
+            raise RuntimeError(
+                f"cp_kv: a batch plan of an ended step (epoch {made.epoch}, "
+                f"live from {self._live_from}) was read; stale attention metadata.")
+
+    def first_check(self, kind: str, made: BatchPlan) -> bool:
+        """Debug: whether the check ``kind`` has not run on this plan yet
+        (now it has)."""
+        key = (kind, made.epoch)
+        if key in self._checked:
+            return False
+        self._checked.add(key)
+        return True
 
     def step_open(self) -> bool:
         return self._batch is not None
@@ -206,7 +268,8 @@ class ShardRuntime:
         chunk of its context when ``made.chunked``); gathered once per layer,
         chunk and batch. Chunks of a layer share one scratch buffer: read
         them in order, each before the next is gathered."""
-        full = made.views.get((layer, chunk))
+        self.live(made)
+        full = self._views.get((made.epoch, layer, chunk))
         if full is not None:
             return full
         plan = made.plan_of(chunk)
@@ -221,7 +284,7 @@ class ShardRuntime:
             full = gather(plan, self.spec.rank, kv_cache, self.all_gather_into,
                           scratch=scratch)
         self.received(full)
-        made.views[(layer, chunk)] = full
+        self._views[(made.epoch, layer, chunk)] = full
         return full
 
     def materialize_for_check(self, plan: MaterializationPlan, kv_cache: torch.Tensor
@@ -245,13 +308,13 @@ class ShardRuntime:
         """
         count = len(made.chunks) if made.chunked else 1
         item = layer * count + chunk
-        pf = made.prefetcher
+        pf = self._prefetchers.get(made.epoch)
         if pf is None:
             for k in range(count):  # every chunk fits the pool (raises if not)
                 self.pool.get(made.plan_of(k), kv_cache)
             buffers = [self.pool.buffer(kv_cache, slot=k) for k in (0, 1)]
-            pf = made.prefetcher = LayerPrefetcher(self.spec.rank, self.all_gather_into,
-                                                   buffers)
+            pf = self._prefetchers[made.epoch] = LayerPrefetcher(
+                self.spec.rank, self.all_gather_into, buffers)
         if item not in pf.views:
             pf.start(item, made.plan_of(chunk), kv_cache)
         if item > 0:

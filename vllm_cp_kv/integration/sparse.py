@@ -60,8 +60,9 @@ class ShardedIndexerBuilder:
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         common = common_attn_metadata
         # the indexer reads every token of the batch, as sparse MLA does
-        made = plan_batch(required_runtime(*self.cp_kv_layers), common, split_rows(self, common), whole=True,
-                          lse_decode=False)
+        runtime = required_runtime(*self.cp_kv_layers)
+        made = plan_batch(runtime.plan_inputs(common.block_table_tensor), common,
+                          split_rows(self, common), whole=True, lse_decode=False)
         metadata = super().build(common_prefix_len, translated(common, made.full_table),
                                  fast_build)
         metadata.cp_kv = made
@@ -112,7 +113,8 @@ def sharded_indexer_op(orig):
 
     @functools.wraps(orig)
     def sparse_attn_indexer(*args, **kwargs):
-        metadata = forward_context.get_forward_context().attn_metadata
+        context = forward_context.get_forward_context()
+        metadata = context.attn_metadata
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
@@ -125,7 +127,8 @@ def sharded_indexer_op(orig):
         persistent = a["kv_cache"]
         if not a["skip_k_cache_insert"]:
             _write_owned(a["k"], metadata, persistent, a)
-        a["kv_cache"] = made.runtime.materialize(made, persistent, layer)
+        runtime = context.no_compile_layers[layer].cp_kv_runtime  # bound by the worker
+        a["kv_cache"] = runtime.materialize(made, persistent, layer)
         a.update(skip_k_cache_insert=True, dcp_rank=0, dcp_world_size=1)
         return orig(**a)
 

@@ -374,9 +374,8 @@ def _wait_for(path: str, proc, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The tool's arguments, with the platform's defaults filled in."""
-    ap = argparse.ArgumentParser()
+def _instance_arguments(ap: argparse.ArgumentParser) -> None:
+    """The instances: model, layout, device, memory, dtypes, prompts."""
     ap.add_argument("model")
     ap.add_argument("workdir")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -408,6 +407,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=None, help="CPU 1024, GPU 4096")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--backend", default=None, help="e.g. CPU_MLA (block size 16)")
+
+
+def _run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The run: ports, timeouts, waves, checks, roles."""
     ap.add_argument("--port", type=int, default=5700)
     ap.add_argument("--blocks-expiry", type=float, default=None,
                     help="prefill side: free unclaimed blocks after this many seconds "
@@ -449,6 +452,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="only write WORKDIR/pd_result.json from the roles' results there "
                          "(a run stopped after every role had written its own; the same "
                          "arguments as the run)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The tool's arguments, with the platform's defaults filled in."""
+    ap = argparse.ArgumentParser()
+    _instance_arguments(ap)
+    _run_arguments(ap)
     a = ap.parse_args(argv)
     gpu = a.device == "cuda"
     a.prefill_tp = a.prefill_tp or (1 if gpu else 2)
@@ -549,6 +559,33 @@ def _first_diffs(a_tokens, b_tokens) -> list[int | None]:
             for s, t in zip(a_tokens, b_tokens)]
 
 
+def _wave_result(a, k: int, r: dict, d: dict, p: dict, pulled: list, copies: int) -> dict:
+    """Wave ``k``'s result: tokens against the reference, what arrived
+    (``pulled``: the decode's reads of the wave), the prefill's cache hits."""
+    bs = d["block_size"]
+    rw, dw, pw = r["waves"][k], d["waves"][k], p["waves"][k]
+    # received plus the decode's own cache hits, summed over its ranks
+    covered: dict[str, int] = {}
+    for x in pulled:
+        covered[x["request"]] = covered.get(x["request"], 0) + x["tokens"] + x["cached"] * bs
+    wave = {
+        "identical": sum(x == y for x, y in zip(rw["tokens"], dw["tokens"])),
+        "prompts": len(rw["tokens"]), "prompt_lens": rw["prompt_lens"],
+        "received_tokens": sorted(x["tokens"] for x in pulled),
+        "all_prompt_tokens_arrived":
+            sorted(covered.values()) == sorted(n * copies for n in rw["prompt_lens"]),
+        "prefill_prefix_cache_hits": pw["prefix_cache_hits"],
+        "prefill_prefix_cache_queries": pw["prefix_cache_queries"],
+        "prefill_num_cached_tokens": pw["num_cached_tokens"],
+        "first_diff": _first_diffs(rw["tokens"], dw["tokens"])}
+    if a.decode_shard:  # each rank exactly the blocks it owns, of every prompt
+        want = sorted((rank, _owned_blocks(n, bs, a.decode_tp, rank))
+                      for n in rw["prompt_lens"] for rank in range(a.decode_tp))
+        wave["blocks_per_decode_rank_exact"] = \
+            sorted((x["rank"], x["blocks"] + x["cached"]) for x in pulled) == want
+    return wave
+
+
 def _summarize(a) -> dict:
     def load(name):
         with open(os.path.join(a.workdir, f"{name}.json")) as f:
@@ -560,29 +597,7 @@ def _summarize(a) -> dict:
     # an unsharded decode's every rank receives every block; a sharded one's
     # each rank the blocks it owns
     copies = 1 if a.decode_shard else a.decode_tp
-    waves = []
-    for k in range(a.waves):
-        rw, dw, pw = r["waves"][k], d["waves"][k], p["waves"][k]
-        # received plus the decode's own cache hits, summed over its ranks
-        covered: dict[str, int] = {}
-        for x in pulls[k]:
-            covered[x["request"]] = covered.get(x["request"], 0) + x["tokens"] + x["cached"] * bs
-        wave = {
-            "identical": sum(x == y for x, y in zip(rw["tokens"], dw["tokens"])),
-            "prompts": len(rw["tokens"]), "prompt_lens": rw["prompt_lens"],
-            "received_tokens": sorted(x["tokens"] for x in pulls[k]),
-            "all_prompt_tokens_arrived":
-                sorted(covered.values()) == sorted(n * copies for n in rw["prompt_lens"]),
-            "prefill_prefix_cache_hits": pw["prefix_cache_hits"],
-            "prefill_prefix_cache_queries": pw["prefix_cache_queries"],
-            "prefill_num_cached_tokens": pw["num_cached_tokens"],
-            "first_diff": _first_diffs(rw["tokens"], dw["tokens"])}
-        if a.decode_shard:  # each rank exactly the blocks it owns, of every prompt
-            want = sorted((rank, _owned_blocks(n, bs, a.decode_tp, rank))
-                          for n in rw["prompt_lens"] for rank in range(a.decode_tp))
-            wave["blocks_per_decode_rank_exact"] = \
-                sorted((x["rank"], x["blocks"] + x["cached"]) for x in pulls[k]) == want
-        waves.append(wave)
+    waves = [_wave_result(a, k, r, d, p, pulls[k], copies) for k in range(a.waves)]
     # the bytes of the blocks moved: every block of every prompt, read by every
     # decode rank, less the blocks a decode's own prefix cache held
     all_lens = [n for k in range(a.waves) for n in r["waves"][k]["prompt_lens"]]

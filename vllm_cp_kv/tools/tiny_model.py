@@ -264,6 +264,18 @@ def build_dsv32(out_dir: str, *, v3_shapes: bool = False, init: float = 0.1,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **dims)
     device = "cuda" if v3_shapes and torch.cuda.is_available() else "cpu"
     _write(cfg, tok, out_dir, seed=0, device=device)
+    weights = _dsa_weights(cfg, dims, index, mtp=mtp, init=init)
+    save_file(weights, os.path.join(out_dir, "indexer.safetensors"))
+    _add_to_index(out_dir, "indexer.safetensors", weights)
+    _declare_dsa(out_dir, index, glm5=glm5, mtp=mtp)
+    return out_dir
+
+
+def _dsa_weights(cfg, dims: dict, index: dict, *, mtp: bool, init: float) -> dict:
+    """The indexer's weights of every layer, and the MTP block's own parts
+    (its decoder layer is ``layers.2``), random (seed 1), bf16."""
+    import torch
+
     gen = torch.Generator().manual_seed(1)
     hidden, q_lora = dims["hidden_size"], dims["q_lora_rank"]
     heads, dim = index["index_n_heads"], index["index_head_dim"]
@@ -279,15 +291,19 @@ def build_dsv32(out_dir: str, *, v3_shapes: bool = False, init: float = 0.1,
                         p + "k_norm.weight": torch.ones(dim, dtype=torch.bfloat16),
                         p + "k_norm.bias": torch.zeros(dim, dtype=torch.bfloat16),
                         p + "weights_proj.weight": rand(heads, hidden)})
-    if mtp:  # the MTP block's own parts (its decoder layer is layers.2)
+    if mtp:
         weights.update({f"model.layers.2.{name}": t for name, t in {
             "enorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
             "hnorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
             "eh_proj.weight": rand(hidden, 2 * hidden),
             "shared_head.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
             "shared_head.head.weight": rand(cfg.vocab_size, hidden)}.items()})
-    save_file(weights, os.path.join(out_dir, "indexer.safetensors"))
-    _add_to_index(out_dir, "indexer.safetensors", weights)
+    return weights
+
+
+def _declare_dsa(out_dir: str, index: dict, *, glm5: bool, mtp: bool) -> None:
+    """config.json as DeepSeek-V3.2 (or GLM-5) declares it: the model type,
+    architecture, indexer settings and MTP layer count."""
     path = os.path.join(out_dir, "config.json")
     with open(path) as f:
         data = json.load(f)
@@ -299,7 +315,6 @@ def build_dsv32(out_dir: str, *, v3_shapes: bool = False, init: float = 0.1,
                 n_group=1, topk_group=1, **index)
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
-    return out_dir
 
 
 def _add_to_index(out_dir: str, filename: str, weights: dict) -> None:

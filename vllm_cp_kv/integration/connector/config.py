@@ -10,7 +10,8 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 
-from .side_channel import MAX_READERS, load_secret
+from .auth import load_secret
+from .schema import MAX_READERS
 
 TRANSPORTS = ("nixl", "mooncake")
 KEYS = ("transport", "side_channel_host", "side_channel_port", "transfer_timeout_s",

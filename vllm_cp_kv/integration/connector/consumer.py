@@ -42,9 +42,9 @@ from ...core.manifest import ManifestError, check_complete, for_decode_rank, val
 from ...core.ownership import CPShardSpec, num_logical_blocks
 from .counters import TransferCounters
 from .params import TransferParams
-from .side_channel import (MAX_WIRE_LEASE_S, Done, Fetch, FetchReply, Handshake, Ok,
-                           RateLimitedLog, Refused, Release, SideChannelClient,
-                           SideChannelError, new_nonce)
+from .schema import MAX_WIRE_LEASE_S, Done, Fetch, FetchReply, Handshake, Ok, Release
+from .side_channel import (RateLimitedLog, Refused, SideChannelClient, SideChannelError,
+                           new_nonce)
 from .transfer import ReadNotAborted, read_owned_blocks
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded

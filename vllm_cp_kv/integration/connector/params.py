@@ -28,7 +28,7 @@ from msgspec import Meta, Struct
 
 from ...core.ownership import CYCLIC, num_logical_blocks
 from .config import ConnectorConfig, host_allowed
-from .side_channel import MAX_BLOCKS, MAX_ID_CHARS, MAX_READERS, RequestId, Token, redacted_repr
+from .schema import MAX_BLOCKS, MAX_ID_CHARS, MAX_READERS, RequestId, Token, redacted_repr
 
 CONNECTOR = "ShardedKVConnector"
 MAX_TOKENS = 1 << 26

@@ -32,8 +32,8 @@ from typing import Callable
 
 from ...core.manifest import ManifestError, owned_manifest
 from .counters import TransferCounters
-from .side_channel import (Done, Error, Fetch, FetchReply, Handshake, Ok, RateLimitedLog,
-                           Release, SideChannelServer)
+from .schema import Done, Error, Fetch, FetchReply, Handshake, Ok, Release
+from .side_channel import RateLimitedLog, SideChannelServer
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
 MAX_LEASE_S = 600.0  # the longest claim one fetch takes

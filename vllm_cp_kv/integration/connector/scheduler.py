@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from .config import ConnectorConfig
 from ...core.ownership import CYCLIC
 from .params import TransferParams, check_params
-from .side_channel import MAX_ID_CHARS
+from .schema import MAX_ID_CHARS
 
 
 @dataclass

@@ -47,8 +47,6 @@ Per-request authorization (the transfer token) is the prefill's business
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import ipaddress
 import logging
 import os
@@ -56,12 +54,13 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from typing import Annotated, Callable, Literal, Union
+from typing import Callable
 
-import msgspec
 import zmq
-import zmq.utils.z85
-from msgspec import Meta, Struct
+
+from .auth import REPLY_TAG, REQUEST_TAG, authentic, context, seal, use_curve
+from .schema import (DECODE_ERRORS, REPLY_DECODERS, REQUEST_DECODER, Done, Error, Fetch,
+                     FetchReply, Ok, Release)
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
 
@@ -70,161 +69,6 @@ MAX_REQUEST_BYTES = 64 << 10  # a request (Fetch, Done, Release) is < 1 KiB
 REPLAY_WINDOW = 1 << 16  # request nonces a prefill rank remembers
 LOG_EVERY_S = 10.0  # at most one log line per this long for what peers cause
 MAX_DRAIN = 64  # messages a server answers before it runs its periodic task again
-MAX_ID_CHARS = 256  # vLLM request ids are ~50 characters
-MAX_BLOCKS = 1 << 20  # manifest entries, block ids
-MAX_CACHES = 1 << 14  # registered caches (layers x caches per layer)
-MAX_READERS = 1024  # decode ranks of one request
-MAX_WIRE_LEASE_S = 3600.0  # what a message may carry; the prefill caps claims lower
-SECRET_ENV = "VLLM_CP_KV_SIDE_CHANNEL_SECRET"
-MIN_SECRET_BYTES = 16
-_REQUEST_TAG = b"vllm_cp_kv side channel v2 request\0"
-_REPLY_TAG = b"vllm_cp_kv side channel v2 reply\0"
-_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError)
-
-# ---- message schema ---------------------------------------------------------
-Nonce = Annotated[bytes, Meta(min_length=16, max_length=16)]
-ReplyNonce = Annotated[bytes, Meta(max_length=16)]  # empty: reply to a malformed message
-RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
-Token = Annotated[str, Meta(min_length=16, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
-ReaderId = Annotated[str, Meta(min_length=1, max_length=64)]
-ShortStr = Annotated[str, Meta(max_length=64)]
-U32 = Annotated[int, Meta(ge=0, lt=1 << 32)]
-U64 = Annotated[int, Meta(ge=0)]  # msgpack ints are at most 64-bit
-BlockId = Annotated[int, Meta(ge=0, lt=1 << 31)]
-
-
-def redacted_repr(struct, secret: str) -> str:
-    """``Type(field=value, ...)`` with the ``secret`` field's value hidden:
-    a transfer token is the key to its request's KV (docs/disaggregated.md,
-    Security), so no repr a log line may print shows it."""
-    parts = (f"{f}={'<redacted>' if f == secret else repr(getattr(struct, f))}"
-             for f in struct.__struct_fields__)
-    return f"{type(struct).__name__}({', '.join(parts)})"
-
-
-class Fetch(Struct, tag=True, forbid_unknown_fields=True):
-    """Decode -> prefill: this request's handshake and manifest. Claims the
-    blocks for ``lease_s`` (capped by the prefill) for reader ``reader``."""
-
-    nonce: Nonce
-    request_id: RequestId
-    token: Token
-    reader: ReaderId
-    lease_s: Annotated[float, Meta(gt=0, le=MAX_WIRE_LEASE_S)]
-
-    def __repr__(self) -> str:
-        return redacted_repr(self, "token")
-
-
-class Done(Struct, tag=True, forbid_unknown_fields=True):
-    """Decode -> prefill: ``reader`` has read (or given up on) the blocks;
-    the prefill frees them once ``readers`` distinct readers are done."""
-
-    nonce: Nonce
-    request_id: RequestId
-    token: Token
-    reader: ReaderId
-    readers: Annotated[int, Meta(ge=1, le=MAX_READERS)]
-
-    def __repr__(self) -> str:
-        return redacted_repr(self, "token")
-
-
-class Release(Struct, tag=True, forbid_unknown_fields=True):
-    """Decode -> prefill: ``reader`` gave up (the request failed) and reads
-    nothing more; its claim ends now. Frees nothing (the blocks expire)."""
-
-    nonce: Nonce
-    request_id: RequestId
-    token: Token
-    reader: ReaderId
-
-    def __repr__(self) -> str:
-        return redacted_repr(self, "token")
-
-
-class TransportMeta(Struct, forbid_unknown_fields=True):
-    """What a reader needs to reach the prefill rank's memory (NIXL: agent
-    name and metadata; Mooncake: its RPC session ``host:port``)."""
-
-    agent_name: Annotated[str, Meta(max_length=128)] = ""
-    agent_metadata: Annotated[bytes, Meta(max_length=1 << 20)] = b""
-    session: Annotated[str, Meta(max_length=300)] = ""
-    # NIXL: where the registered caches live (host memory, or a GPU's index)
-    mem_type: Literal["DRAM", "VRAM"] = "DRAM"
-    device_id: Annotated[int, Meta(ge=0, lt=1 << 16)] = 0
-
-
-class ShardLayout(Struct, frozen=True, forbid_unknown_fields=True):
-    """The worker's shard geometry, whole (``integration/geometry.py``
-    ``ShardGeometry``: rank, size, block size, ownership rule, axis)."""
-
-    rank: Annotated[int, Meta(ge=0, lt=MAX_READERS)]
-    size: Annotated[int, Meta(ge=1, le=MAX_READERS)]
-    block_size: Annotated[int, Meta(ge=1, le=1 << 16)]
-    rule: ShortStr
-    axis: ShortStr = "tp"
-
-    @classmethod
-    def of(cls, geometry) -> "ShardLayout":
-        return cls(rank=geometry.rank, size=geometry.size, block_size=geometry.block_size,
-                   rule=geometry.rule, axis=geometry.axis)
-
-
-class Handshake(Struct, forbid_unknown_fields=True):
-    """A prefill rank's cache layout (one entry per registered cache)."""
-
-    engine_id: Annotated[str, Meta(max_length=MAX_ID_CHARS)]
-    shard: ShardLayout
-    num_blocks: Annotated[int, Meta(ge=1, le=1 << 31)]
-    block_bytes: Annotated[list[Annotated[int, Meta(ge=1, lt=1 << 32)]],
-                           Meta(max_length=MAX_CACHES)]
-    dtype: Annotated[list[ShortStr], Meta(max_length=MAX_CACHES)]
-    layer_addrs: Annotated[list[U64], Meta(max_length=MAX_CACHES)]
-    transport: ShortStr
-    transport_meta: TransportMeta
-    # vLLM's --kv-cache-dtype (normalized: ``cache_format``): two FP8 formats
-    # are the same torch dtype (uint8) and page size, but not the same bytes
-    cache_format: ShortStr = "auto"
-
-
-def cache_format(kv_cache_dtype) -> str:
-    """vLLM's ``--kv-cache-dtype`` as the format of the cache's bytes: an
-    FP8 format by name (``fp8`` is ``fp8_e4m3``, vLLM's meaning on CUDA),
-    else ``auto``: a 16-bit cache's format is its torch dtype, which the
-    handshake's ``dtype`` carries (``auto`` on a bf16 model and ``bfloat16``
-    hold the same bytes). vLLM's per-layer FP8 scales are not compared: both
-    sides must load them alike (the same checkpoint; no ``calculate_kv_scales``
-    on one side only)."""
-    name = str(kv_cache_dtype or "auto")
-    if not name.startswith("fp8"):
-        return "auto"
-    return "fp8_e4m3" if name == "fp8" else name
-
-
-class FetchReply(Struct, tag=True, forbid_unknown_fields=True):
-    """Prefill -> decode: the handshake, this rank's manifest
-    ``[(logical block, block id)]`` and the granted claim (seconds)."""
-
-    nonce: ReplyNonce
-    handshake: Handshake
-    manifest: Annotated[list[tuple[U32, BlockId]], Meta(max_length=MAX_BLOCKS)]
-    lease_s: Annotated[float, Meta(gt=0, le=MAX_WIRE_LEASE_S)]
-
-
-class Ok(Struct, tag=True, forbid_unknown_fields=True):
-    nonce: ReplyNonce
-
-
-class Error(Struct, tag=True, forbid_unknown_fields=True):
-    nonce: ReplyNonce
-    reason: Annotated[str, Meta(max_length=1024)]
-
-
-Request = Union[Fetch, Done, Release]
-_REQUEST_DECODER = msgspec.msgpack.Decoder(Request)
-_REPLY_DECODERS = {t: msgspec.msgpack.Decoder(Union[t, Error]) for t in (FetchReply, Ok)}
-_ENCODER = msgspec.msgpack.Encoder()
 
 
 class SideChannelError(RuntimeError):
@@ -233,135 +77,6 @@ class SideChannelError(RuntimeError):
 
 class Refused(SideChannelError):
     """The peer answered this request with an ``Error`` (its reason)."""
-
-
-# ---- framing ----------------------------------------------------------------
-def load_secret(env_name: str | None = None) -> bytes | None:
-    """The deployment's shared side-channel secret, from the environment.
-
-    ``env_name`` (extra config ``side_channel_secret_env``) names the variable
-    and must then be set; otherwise ``VLLM_CP_KV_SIDE_CHANNEL_SECRET`` is used
-    if set. ``None``: no secret (requests are still authorized by their
-    per-request token). Never a constant in the source: a key anyone can read
-    authenticates nobody.
-    """
-    name = env_name or SECRET_ENV
-    value = os.environ.get(name)
-    if not value:
-        if env_name:
-            raise ValueError(f"ShardedKVConnector: side_channel_secret_env names {name!r}, "
-                             "which is not set (or empty) in the environment.")
-        return None
-    secret = value.encode()
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"ShardedKVConnector: the side-channel secret in {name} is "
-                         f"{len(secret)} bytes; use at least {MIN_SECRET_BYTES} random bytes.")
-    return secret
-
-
-def _mac(secret: bytes | None, tag: bytes, port: int, body: bytes) -> bytes:
-    return hmac.new(secret, tag + port.to_bytes(2, "big") + body,
-                    hashlib.sha256).digest() if secret else b""
-
-
-def seal(secret: bytes | None, port: int, msg, request: bool = True) -> list[bytes]:
-    """The two frames of ``msg`` (a request, or a reply) to or from the
-    prefill rank serving on ``port``."""
-    body = _ENCODER.encode(msg)
-    return [body, _mac(secret, _REQUEST_TAG if request else _REPLY_TAG, port, body)]
-
-
-def _authentic(secret: bytes | None, tag: bytes, port: int, body: bytes, mac: bytes) -> bool:
-    return not secret or hmac.compare_digest(_mac(secret, tag, port, body), mac)
-
-
-def curve_keys(secret: bytes) -> tuple[tuple[bytes, bytes], tuple[bytes, bytes]]:
-    """``((server public, server secret), (client public, client secret))``,
-    Z85-encoded CURVE key pairs derived from the shared secret: every holder
-    of the secret can derive them, nobody else can (a public key is only
-    public among the holders)."""
-    def pair(label: bytes) -> tuple[bytes, bytes]:
-        secret_key = zmq.utils.z85.encode(hmac.new(secret, label, hashlib.sha256).digest())
-        return zmq.curve_public(secret_key), secret_key
-
-    return pair(b"vllm_cp_kv curve server"), pair(b"vllm_cp_kv curve client")
-
-
-def _use_curve(sock: zmq.Socket, secret: bytes, server: bool) -> None:
-    """CURVE on ``sock`` with the keys derived from ``secret``: a server
-    admits (ZAP) only the derived client key; a client expects the derived
-    server key."""
-    (server_public, server_secret), (client_public, client_secret) = curve_keys(secret)
-    if server:
-        _admit(client_public)
-        sock.setsockopt(zmq.ZAP_DOMAIN, b"vllm_cp_kv")
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, server_public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, server_secret)
-    else:
-        sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, client_public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, client_secret)
-
-
-class _ZapHandler:
-    """ZMQ's authentication hook for this process's context (RFC 27): admits
-    a CURVE client only with a key derived from a secret some server of this
-    process was given. One thread, for the process's lifetime."""
-
-    ENDPOINT = "inproc://zeromq.zap.01"
-
-    def __init__(self, ctx: zmq.Context):
-        self.allowed: set[bytes] = set()  # raw 32-byte client public keys
-        self._sock = ctx.socket(zmq.REP)
-        self._sock.bind(self.ENDPOINT)
-        threading.Thread(target=self._loop, daemon=True, name="cp_kv-zap").start()
-
-    REFUSED = [b"1.0", b"", b"400", b"malformed ZAP request", b"", b""]
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                frames = self._sock.recv_multipart()
-            except zmq.ContextTerminated:  # the context is closing
-                return
-            except zmq.ZMQError as e:  # a REP socket out of step: answer to get back
-                logger.warning("cp_kv side channel: ZAP receive failed: %r", e)
-                frames = None
-            try:  # every receive is answered, so the REP socket stays in step
-                out = self.REFUSED if frames is None else self.reply(frames)
-            except Exception as e:  # one bad frame must not stop the handler
-                logger.warning("cp_kv side channel: ZAP request refused: %r", e)
-                out = self.REFUSED
-            try:
-                self._sock.send_multipart(out)
-            except zmq.ContextTerminated:
-                return
-            except zmq.ZMQError as e:
-                logger.warning("cp_kv side channel: ZAP request not answered: %r", e)
-                time.sleep(0.01)  # no busy loop if the socket stays unusable
-
-    def reply(self, frames: list[bytes]) -> list[bytes]:
-        """The ZAP reply to one request (RFC 27): 200 for a CURVE client with
-        an admitted key, else 400; a malformed request (too few frames) is
-        answered 400 with whatever it carried, so the REP socket stays in
-        step for the next one."""
-        version = frames[0] if frames else b"1.0"
-        request_id = frames[1] if len(frames) > 1 else b""
-        ok = (len(frames) > 6 and frames[5] == b"CURVE" and frames[6] in self.allowed)
-        return [version, request_id, b"200" if ok else b"400",
-                b"OK" if ok else b"unknown client key", b"", b""]
-
-
-_zap: _ZapHandler | None = None
-
-
-def _admit(client_public_z85: bytes) -> None:
-    global _zap
-    with _context_lock:
-        if _zap is None:
-            _zap = _ZapHandler(_context_locked())
-        _zap.allowed.add(zmq.utils.z85.decode(client_public_z85))
 
 
 class RateLimitedLog:
@@ -398,23 +113,6 @@ def _bind_address(host: str) -> str:
         return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
 
 
-_context: zmq.Context | None = None
-_context_lock = threading.Lock()
-
-
-def context() -> zmq.Context:
-    """This process's ZMQ context (thread-safe; sockets are per thread)."""
-    with _context_lock:
-        return _context_locked()
-
-
-def _context_locked() -> zmq.Context:
-    global _context
-    if _context is None:
-        _context = zmq.Context(io_threads=1)
-    return _context
-
-
 def _socket(kind: int, host: str, max_frame_bytes: int) -> zmq.Socket:
     sock = context().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
@@ -443,7 +141,7 @@ class SideChannelServer:
         self.address = endpoint(_bind_address(host), port)
         self._sock = _socket(zmq.ROUTER, host, MAX_REQUEST_BYTES)
         if secret:  # nobody without the secret gets a frame delivered
-            _use_curve(self._sock, secret, server=True)
+            use_curve(self._sock, secret, server=True)
         self._sock.bind(self.address)  # the configured host only
         self._stop = threading.Event()
         self.refused = 0  # malformed / unauthenticated messages answered with Error
@@ -498,12 +196,12 @@ class SideChannelServer:
         if len(parts) != 2:
             return self._refuse(b"", f"malformed message: {len(parts)} frames, expected 2")
         body, mac = parts
-        if not _authentic(self.secret, _REQUEST_TAG, self.port, body, mac):
+        if not authentic(self.secret, REQUEST_TAG, self.port, body, mac):
             return self._refuse(b"", "side-channel authentication failed (shared secret "
                                      "missing or different, or a message for another rank)")
         try:
-            msg = _REQUEST_DECODER.decode(body)
-        except _DECODE_ERRORS as e:
+            msg = REQUEST_DECODER.decode(body)
+        except DECODE_ERRORS as e:
             return self._refuse(b"", f"malformed message: {type(e).__name__}: {str(e)[:200]}")
         if msg.nonce in self._seen:
             return self._refuse(msg.nonce, "replayed message (nonce seen before)")
@@ -538,7 +236,7 @@ class SideChannelClient:
         self.claimed = False  # set by the caller once a Fetch was answered
         self._sock = _socket(zmq.DEALER, host, MAX_FRAME_BYTES)
         if secret:  # CURVE: only a prefill holding the secret completes the handshake
-            _use_curve(self._sock, secret, server=False)
+            use_curve(self._sock, secret, server=False)
         self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
         self._sock.connect(self.address)
 
@@ -559,7 +257,7 @@ class SideChannelClient:
         Raises SideChannelError on a timeout, a refusal (the peer's reason),
         an unauthenticated or malformed reply. Replies to other requests
         (another nonce) are skipped."""
-        decoder = _REPLY_DECODERS[reply_type]
+        decoder = REPLY_DECODERS[reply_type]
         try:
             self._sock.send_multipart(seal(self.secret, self.port, msg))
         except zmq.Again:
@@ -579,12 +277,12 @@ class SideChannelClient:
                 raise SideChannelError(f"malformed reply from {self.address}: "
                                        f"{len(parts)} frames")
             body, mac = parts
-            if not _authentic(self.secret, _REPLY_TAG, self.port, body, mac):
+            if not authentic(self.secret, REPLY_TAG, self.port, body, mac):
                 raise SideChannelError(f"reply from {self.address} failed authentication "
                                        "(shared secret missing or different there)")
             try:
                 reply = decoder.decode(body)
-            except _DECODE_ERRORS as e:
+            except DECODE_ERRORS as e:
                 raise SideChannelError(f"malformed reply from {self.address}: "
                                        f"{str(e)[:200]}") from None
             if isinstance(reply, Error) and not reply.nonce:

@@ -22,7 +22,7 @@ from .config import ConnectorConfig
 from .consumer import Consumer
 from .counters import TransferCounters
 from .producer import Producer
-from .side_channel import Handshake, ShardLayout, TransportMeta, cache_format
+from .schema import Handshake, ShardLayout, TransportMeta, cache_format
 from .transfer import make_transport
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's log config when loaded
