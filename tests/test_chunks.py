@@ -18,19 +18,11 @@ from vllm_cp_kv.core.plan import chunk_ranges, plan_context_chunks, plan_materia
 
 
 def read_by_chunks(n, table, lens, caches, capacity):
-    """Each request's tokens, concatenated over the chunks in order."""
+    """Each request's tokens, concatenated over the chunks in order
+    (``builders.read_rows`` with every row its own request)."""
     chunks = plan_context_chunks(spec(n), table, lens, capacity)
-    got = [[] for _ in range(len(lens))]
-    for c in chunks:
-        assert c.plan.num_scratch_blocks <= capacity
-        scratch = torch.cat([pack(c.plan, r, cache) for r, cache in enumerate(caches)])
-        for i in range(len(lens)):
-            t = int(c.num_tokens[i])
-            if t:
-                assert int(c.first_blocks[i]) * BS == sum(v.shape[0] for v in got[i])
-                blocks = c.plan.full_block_table[i, : -(-t // BS)].long()
-                got[i].append(scratch[blocks].reshape(-1, scratch.shape[-1])[:t])
-    return chunks, [torch.cat(g) if g else caches[0][0, :0] for g in got]
+    assert all(c.plan.num_scratch_blocks <= capacity for c in chunks)
+    return chunks, read_rows(chunks, torch.arange(len(lens)), lens, caches)
 
 
 @pytest.mark.parametrize("seed", range(60))

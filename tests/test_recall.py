@@ -18,7 +18,6 @@ DeepseekV2ForCausalLM (what vLLM implements), and the task generators.
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -32,7 +31,6 @@ ARGS = ("--backend", "CPU_MLA", "--max-model-len", "2100", "--torch-rope", "--bl
         "16", "--max-tokens", str(recall.VALUE_LEN), "--recall", str(LENGTH),
         "--recall-per-bucket", "2", "--max-num-batched-tokens", "4096")
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
 def _needle_ranks():
