@@ -128,6 +128,19 @@ def test_row_sparse_backend():
     assert any(m in str(info.value) for m in DOC["sparse-backend"])
 
 
+def test_row_owned_context():
+    """``context_path: "owned"`` only where the owned path runs; "auto" and
+    "gathered" are never refused (they read gathered there)."""
+    from vllm_cp_kv.integration import checks
+
+    checks.check_owned_context("owned", True, "FLASHMLA", "auto", 1)  # accepted
+    for path in ("auto", "gathered"):
+        checks.check_owned_context(path, False, "TRITON_MLA", "fp8", 2)
+    with pytest.raises(ValueError) as info:
+        checks.check_owned_context("owned", False, "TRITON_MLA", "auto", 1)
+    assert any(m in str(info.value) for m in DOC["owned-context"])
+
+
 def test_row_hisparse(tiny_dsv2):
     expect_row("hisparse", tiny_dsv2, attention_config={"hisparse_config": {}})
 

@@ -95,6 +95,16 @@ def chunked_context_enabled(vllm_config, backend_name: str, sparse: bool) -> boo
             and backend_name in CHUNKED_CONTEXT_BACKENDS)
 
 
+def owned_context_enabled(vllm_config, backend_name: str, sparse: bool) -> bool:
+    """Prefill rows may read their cached context owned (``context.py``):
+    the chunked context on a backend, cache and layout the owned path has
+    a kernel for (``context.owned_context_supported``)."""
+    return chunked_context_enabled(vllm_config, backend_name, sparse) and \
+        context.owned_context_supported(
+            backend_name, str(vllm_config.cache_config.cache_dtype),
+            vllm_config.parallel_config.prefill_context_parallel_size)
+
+
 class ShardedBuilder:
     """Mixin over the platform's MLA metadata builder (see the module
     docstring); ``cp_kv_inner`` and ``cp_kv_sparse`` are set per subclass."""
@@ -158,17 +168,13 @@ class ShardedBuilder:
     def _owned_context(self, vllm_config, name: str) -> dict | None:
         """``context.plan_owned``'s settings where short prefill rows may
         read their context owned (None: every context gathered)."""
-        options = options_of(vllm_config)
-        pcp = vllm_config.parallel_config.prefill_context_parallel_size
-        cache_dtype = str(vllm_config.cache_config.cache_dtype)
-        able = self.cp_kv_chunked and context.owned_context_supported(name, cache_dtype, pcp)
-        if options.context_path == "owned" and not able:
-            from .checks import CPKVConfigError
+        from .checks import check_owned_context
 
-            raise CPKVConfigError(
-                f"cp_kv: context_path 'owned' needs a backend of {context.OWNED_BACKENDS} "
-                f"with a 16- or 32-bit KV cache, sharding over TP (here {name}, "
-                f"kv_cache_dtype {cache_dtype}, PCP {pcp}); use 'auto' or 'gathered'.")
+        options = options_of(vllm_config)
+        able = owned_context_enabled(vllm_config, name, self.cp_kv_sparse)
+        check_owned_context(options.context_path, able, name,
+                            str(vllm_config.cache_config.cache_dtype),
+                            vllm_config.parallel_config.prefill_context_parallel_size)
         if not able or options.context_path == "gathered":
             return None
         model = vllm_config.model_config

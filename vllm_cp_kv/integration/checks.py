@@ -303,6 +303,9 @@ def check_kv_cache_dtype(kv_cache_dtype: str, sparse: bool,
             "auto), or disable cp_kv.")
 
 
+# backends with a kernel for a prefill row's owned context (integration/context.py)
+OWNED_CONTEXT_BACKENDS = ("CPU_MLA", "FLASHMLA")
+
 # dense MLA backends run with an FP8 cache and sharding over PCP (against
 # vLLM's own PCP with FP8 on the same backend, on the H200)
 PCP_FP8_BACKENDS = ("TRITON_MLA",)
@@ -321,6 +324,19 @@ def check_fp8_backend(name: str, kv_cache_dtype: str, sparse: bool, pcp: int) ->
             f"over PCP is not verified with the {name} backend (vLLM's own PCP with FP8 "
             f"fails there, docs/fp8.md); use --attention-backend "
             f"{' or '.join(PCP_FP8_BACKENDS)}, shard over TP, or --kv-cache-dtype auto.")
+
+
+def check_owned_context(context_path: str, able: bool, name: str, kv_cache_dtype: str,
+                        pcp: int) -> None:
+    """Checked when the workers make the metadata builders: ``cp_kv.
+    context_path: "owned"`` where no prefill row can read its context owned
+    (``able``: ``backend.owned_context_enabled``; docs/context.md, "Where the
+    context stays gathered")."""
+    if context_path == "owned" and not able:
+        raise CPKVConfigError(
+            f"cp_kv: context_path 'owned' needs a backend of {OWNED_CONTEXT_BACKENDS} "
+            f"with a 16- or 32-bit KV cache, sharding over TP (here {name}, "
+            f"kv_cache_dtype {kv_cache_dtype}, PCP {pcp}); use 'auto' or 'gathered'.")
 
 
 def check_scratch_cap(blocks: int, cap: int, one_request: int) -> None:

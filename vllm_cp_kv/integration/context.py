@@ -31,16 +31,15 @@ import torch
 from ..core.context import Link, PaddedRows, choose_owned, padded_rows, row_bytes
 from ..core.decode import paged_attention_with_lse
 from ..core.ownership import owned_token_count
+from .checks import OWNED_CONTEXT_BACKENDS
 from .merge import combine
-
-OWNED_BACKENDS = ("CPU_MLA", "FLASHMLA")
 
 
 def owned_context_supported(backend: str, kv_cache_dtype: str, pcp: int) -> bool:
     """Where a prefill row may read its context owned: a backend of
-    :data:`OWNED_BACKENDS` with a 16/32-bit cache, sharding over TP."""
-    return backend in OWNED_BACKENDS and kv_cache_dtype in ("auto", "bfloat16",
-                                                            "float16", "float32") and pcp == 1
+    ``checks.OWNED_CONTEXT_BACKENDS`` with a 16/32-bit cache, sharding over TP."""
+    return backend in OWNED_CONTEXT_BACKENDS and kv_cache_dtype in (
+        "auto", "bfloat16", "float16", "float32") and pcp == 1
 
 
 def measure_link(group, repeats: int = 5) -> Link:
@@ -171,5 +170,5 @@ def _merge(runtime, out, lse, owned: OwnedRows, split: bool):
         runtime.batch_bytes(lse.numel() * 4 * (n - 1)
                             + out.numel() * out.element_size() * share // n)
         return merge_gpu(out.contiguous(), lse.float(), runtime.group, return_lse=True,
-                       seq_lens=owned.slot_lens, query_start_loc=qsl)
+                         seq_lens=owned.slot_lens, query_start_loc=qsl)
     return combine(runtime, out, lse, split, return_lse=True)

@@ -82,17 +82,29 @@ class ShardedKVWorker(_PlatformWorker):
             available / 2**20)
         return available - buffers * blocks * page_bytes
 
+    def _sharded_impls(self) -> list:
+        """The impls of the model's sharded attention layers."""
+        layers = self.vllm_config.compilation_config.static_forward_context.values()
+        return [layer.impl for layer in layers
+                if getattr(getattr(layer, "impl", None), "cp_kv_sharded", False)]
+
     def _chunked_context(self) -> bool:
         """Every sharded layer reads its cached context in chunks
         (``backend.chunked_context_enabled``): the scratch is the workspace."""
         from .backend import chunked_context_enabled
 
-        layers = self.vllm_config.compilation_config.static_forward_context.values()
-        impls = [layer.impl for layer in layers
-                 if getattr(getattr(layer, "impl", None), "cp_kv_sharded", False)]
+        impls = self._sharded_impls()
         return bool(impls) and all(
             chunked_context_enabled(self.vllm_config, impl.cp_kv_backend, impl.cp_kv_sparse)
             for impl in impls)
+
+    def _owned_context(self) -> bool:
+        """Some sharded layer's prefill rows may read their context owned
+        (``backend.owned_context_enabled``): the cost model needs the link."""
+        from .backend import owned_context_enabled
+
+        return any(owned_context_enabled(self.vllm_config, impl.cp_kv_backend,
+                                         impl.cp_kv_sparse) for impl in self._sharded_impls())
 
     def _prefetch(self) -> bool:
         """Layer-ahead prefetch: GPU, dense models (one latent cache a layer)."""
@@ -118,7 +130,7 @@ class ShardedKVWorker(_PlatformWorker):
         if hasattr(self.model_runner, "cp_kv_runtime"):  # the V2 runner (pcp.py)
             self.model_runner.cp_kv_runtime = runtime
         super().initialize_from_config(kv_cache_config)
-        if options_of(self.vllm_config).context_path == "auto" and self._chunked_context():
+        if options_of(self.vllm_config).context_path == "auto" and self._owned_context():
             runtime.link()  # measured once at start, on every rank (docs/context.md)
         if self._prefetch():
             runtime.prefetch = True
