@@ -123,6 +123,7 @@ class ShardedBuilder:
             self.reorder_batch_threshold = decode.decode_threshold(
                 vllm_config, self.reorder_batch_threshold)
         self.cp_kv_decode_ranks = decode_kernel_ranks(vllm_config, self.cp_kv_sparse)
+        self.cp_kv_floor_empty_rows = decode.fp8_rows_need_a_token(self)
         if self.cp_kv_lse_decode:  # TRITON_MLA: its split-KV workspace for all heads
             with vllm_api.heads_of(self, self.cp_kv_decode_ranks):
                 vllm_api.reserve_decode_workspace(self, name, vllm_config)
@@ -155,7 +156,8 @@ class ShardedBuilder:
                 f"cp_kv: {num_decodes} decode rows planned but the "
                 f"{self.cp_kv_inner.get_name()} builder split {metadata.num_decodes}.")
         if made.decode is not None and common.block_table_tensor.is_cuda:
-            metadata.decode = decode.build_local(self, made.decode, self.cp_kv_decode_ranks)
+            metadata.decode = decode.build_local(self, made.decode, self.cp_kv_decode_ranks,
+                                                 self.cp_kv_floor_empty_rows)
             runtime.batch_bytes(self._decode_bytes(made.decode, runtime.spec.size))
         elif made.decode is not None and self.cp_kv_inner.get_name() == "AMX_MLA":
             made = dataclasses.replace(made, amx=decode.build_local_amx(

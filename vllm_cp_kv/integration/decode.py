@@ -57,14 +57,17 @@ def decode_threshold(vllm_config, inner_threshold: int | None) -> int | None:
     return max_decode_query_len(vllm_config)
 
 
-def build_local(builder, view: DecodeView, heads_of_ranks: int):
+def build_local(builder, view: DecodeView, heads_of_ranks: int,
+                floor_empty_rows: bool = False):
     """GPU: the decode rows' metadata for this rank's own blocks, as vLLM's
     DCP builds it (the builder's ``_build_decode`` with the local lengths),
     one query token per row, sized for the heads of ``heads_of_ranks`` ranks
     (all H under TP, where the queries are gathered). What the captured
     kernels read is the view's persistent storage and the builder's own
     persistent buffers (its scheduler metadata)."""
-    lens = view.kernel_lens if fp8_rows_need_a_token(builder) else view.local_lens
+    lens = view.local_lens
+    if floor_empty_rows:  # FlashMLA's FP8 kernel (fp8_rows_need_a_token)
+        lens = view.buffers.at_least_one(lens.shape[0])
     with vllm_api.heads_of(builder, heads_of_ranks):
         return one_query_rows(builder, view, view.block_table, lens, view.max_local_len)
 

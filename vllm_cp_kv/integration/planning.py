@@ -89,7 +89,7 @@ def decode_view(common, num_decodes: int, spec: CPShardSpec, gather_heads: bool,
                           max_local_len=bound, gather_heads=gather_heads,
                           query_start_loc=common.query_start_loc[: num_decodes + 1],
                           query_start_loc_cpu=qsl_cpu,
-                          kernel_lens=buffers.at_least_one(num_decodes))
+                          buffers=buffers)
     rows, local = query_token_lens(common.seq_lens[:real], query_lens[:real], spec)
     if rows is None:  # one token a row, fewer rows than the graph's tokens
         rows = torch.arange(real, device=table.device)
@@ -105,7 +105,7 @@ def decode_view(common, num_decodes: int, spec: CPShardSpec, gather_heads: bool,
                       max_local_len=bound, gather_heads=gather_heads,
                       query_start_loc=one_query[: total + 1],
                       query_start_loc_cpu=one_query_cpu[: total + 1], multi_query=True,
-                      kernel_lens=buffers.at_least_one(total))
+                      buffers=buffers)
 
 
 def split_rows(builder, common) -> int:
@@ -221,7 +221,7 @@ def plan_batch(inputs: PlanInputs, common, num_decodes: int, *, whole: bool,
     decode = None
     if lse_decode and num_decodes:
         decode = decode_view(common, num_decodes, spec, spec.head_ranks > 1,
-                             inputs.buffers)
+                             inputs.buffers_of(common.block_table_tensor))
         batch.multi_query |= decode.multi_query
     made = BatchPlan(epoch=inputs.epoch, batch=batch,
                      plan=plan if reads and not several else None,

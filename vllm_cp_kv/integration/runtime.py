@@ -8,8 +8,9 @@ group under PCP x TP), the scratch
 pool, the running statistics, and the one open
 :class:`~vllm_cp_kv.integration.step.BatchContext` of the engine step
 (:meth:`ShardRuntime.step`). Builders reach it through their layers
-(:func:`runtime_of_layers`), impls through their binding, everything else
-through the batch plan on the attention metadata: no module global.
+(:func:`runtime_of_layers`), impls through their binding, the sparse
+indexer op through its layer in vLLM's forward context; the batch plan
+holds none: no module global.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ class ShardRuntime:
         whose block table is ``table`` (the decode buffers are per width)."""
         return PlanInputs(spec=self.spec, batch=self.batch(), epoch=self.next_epoch(),
                           pool_blocks=None if self.pool is None else self.pool.capacity_blocks,
-                          buffers=self.decode_buffers(table), link_of=self.link,
+                          buffers_of=self.decode_buffers, link_of=self.link,
                           debug=self.debug)
 
     def next_epoch(self) -> int:

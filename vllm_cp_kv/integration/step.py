@@ -50,11 +50,9 @@ class DecodeView:
     query_start_loc: torch.Tensor  # [T + 1] int32 on the device: one query per row
     query_start_loc_cpu: torch.Tensor  # [T + 1] int32
     multi_query: bool = False  # some request row had several query tokens
-    # ``local_lens`` with every 0 raised to 1 (persistent too): FlashMLA's
-    # dense FP8 kernel faults on rows of no tokens (rank 1 of a prompt of at
-    # most one block); such a row reads one token, given no weight in the
-    # merge (``decode.run_gpu``)
-    kernel_lens: torch.Tensor | None = None
+    # the persistent storage the lengths are a slice of (``DecodeBuffers.
+    # at_least_one``: the lengths FlashMLA's dense FP8 kernel is given)
+    buffers: DecodeBuffers | None = None
 
 
 class DecodeBuffers:
@@ -69,7 +67,7 @@ class DecodeBuffers:
     def __init__(self, rows: int, table: torch.Tensor):
         self.rows, self._like = rows, table
         self.lens = torch.zeros(rows, dtype=torch.int32, device=table.device)
-        self.kernel_lens = torch.ones_like(self.lens)
+        self.kernel_lens = None  # at_least_one's, made at its first call
         self._table = None
         self._one_query = None
 
@@ -81,7 +79,13 @@ class DecodeBuffers:
                 "(max_num_batched_tokens); stale configuration.")
 
     def at_least_one(self, rows: int) -> torch.Tensor:
-        """The first ``rows`` lengths with 0 raised to 1, in place."""
+        """The first ``rows`` lengths with 0 raised to 1, in storage of its
+        own that outlives every step (as ``lens``). FlashMLA's dense FP8
+        kernel faults on rows of no tokens (rank 1 of a prompt of at most
+        one block); such a row reads one token and gets no weight in the
+        merge, which sees the true lengths (``decode.run_gpu``)."""
+        if self.kernel_lens is None:
+            self.kernel_lens = torch.ones_like(self.lens)
         return torch.clamp(self.lens[:rows], min=1, out=self.kernel_lens[:rows])
 
     def multi_query(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,7 +192,8 @@ class PlanInputs:
     batch: BatchContext  # the open step's (or a throwaway one outside a step)
     epoch: int  # the new plan's (``ShardRuntime.next_epoch``)
     pool_blocks: int | None  # the scratch's capacity in blocks (None: no scratch)
-    buffers: DecodeBuffers | None  # the shard-aware decode's persistent inputs
+    buffers_of: Callable[[torch.Tensor], DecodeBuffers]  # the decode's persistent
+    # inputs for a block table's width (``ShardRuntime.decode_buffers``)
     link_of: Callable[[], Any]  # the group's measured link (context path's cost model)
     debug: bool  # VLLM_CP_KV_DEBUG: the planner's invariant checks
 
