@@ -32,7 +32,7 @@ from ..core.context import Link, PaddedRows, choose_owned, padded_rows, row_byte
 from ..core.decode import paged_attention_with_lse
 from ..core.ownership import owned_token_count
 from .checks import OWNED_CONTEXT_BACKENDS
-from .merge import combine
+from .merge import combine, merge_bytes
 
 
 def owned_context_supported(backend: str, kv_cache_dtype: str, pcp: int) -> bool:
@@ -161,14 +161,12 @@ def _merge(runtime, out, lse, owned: OwnedRows, split: bool):
     if out.is_cuda:
         from vllm.v1.attention.ops.dcp import cp_lse_ag_out_ar, cp_lse_ag_out_rs
 
-        rows, n = owned.slot_lens.shape[0], runtime.spec.size
+        rows = owned.slot_lens.shape[0]
         qsl = torch.arange(rows + 1, dtype=torch.int32, device=out.device)
         merge_gpu = cp_lse_ag_out_rs if split else cp_lse_ag_out_ar
-        # received: the LSEs all-gathered; the outputs reduce-scattered (or
-        # all-reduced, a ring's 2 (N - 1) / N)
-        share = (n - 1) if split else 2 * (n - 1)
-        runtime.batch_bytes(lse.numel() * 4 * (n - 1)
-                            + out.numel() * out.element_size() * share // n)
+        runtime.batch_bytes(merge_bytes(lse.numel(), v_dim=out.shape[-1],
+                                        out_bytes=out.element_size(),
+                                        size=runtime.spec.size, scatter=split))
         return merge_gpu(out.contiguous(), lse.float(), runtime.group, return_lse=True,
                          seq_lens=owned.slot_lens, query_start_loc=qsl)
     return combine(runtime, out, lse, split, return_lse=True)

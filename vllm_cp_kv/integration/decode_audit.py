@@ -18,6 +18,7 @@ from ..core.decode import paged_attention_with_lse
 from ..core.plan import plan_materialization
 from . import vllm_api
 from .decode import all_heads, head_slice, one_query_rows
+from .merge import merge_bytes
 from .step import DecodeView
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
@@ -37,10 +38,8 @@ def gpu_step_bytes(view: DecodeView, *, heads: int, q_width: int, v_dim: int,
     rows, n = view.local_lens.shape[0], size
     t = n if head_ranks is None else head_ranks
     q = rows * heads * q_width * q_bytes * (t - 1) // t if gathers_queries else 0
-    lse = rows * heads * 4 * (n - 1)  # float32 LSEs, all-gathered
-    share = (n - 1) if t == n else 2 * (n - 1)
-    out = rows * heads * v_dim * out_bytes * share // n
-    return q + lse + out
+    return q + merge_bytes(rows * heads, v_dim=v_dim, out_bytes=out_bytes, size=n,
+                           scatter=t == n)
 
 
 def _dequantized(x: torch.Tensor, scale: float) -> torch.Tensor:

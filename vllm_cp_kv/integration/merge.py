@@ -1,6 +1,7 @@
 """The torch merge of every rank's partial attention output by LSE, over
 the shard group (CPU: vLLM's GPU merge kernels, ``cp_lse_ag_out_rs`` /
-``_ar``, are CUDA only). Used by the shard-aware decode
+``_ar``, are CUDA only), and the bytes vLLM's GPU merge moves
+(:func:`merge_bytes`). Used by the shard-aware decode
 (``decode.run_cpu``) and by the owned context of short prefill rows
 (``context.py``)."""
 
@@ -35,3 +36,13 @@ def combine(runtime, out: torch.Tensor, lse: torch.Tensor, split_heads: bool,
     if return_lse:
         return merge_by_lse(outs, lses), torch.logsumexp(lses, dim=0)
     return merge_by_lse(outs, lses)
+
+
+def merge_bytes(partials: int, *, v_dim: int, out_bytes: int, size: int,
+                scatter: bool) -> int:
+    """What vLLM's LSE merge (``cp_lse_ag_out_rs`` / ``_ar``) brings into a
+    rank for ``partials`` (rows x heads) partial outputs of ``v_dim``: the
+    float32 LSEs all-gathered, the outputs reduce-scattered (``scatter``)
+    or all-reduced (a ring's ``2 (N - 1) / N``)."""
+    share = (size - 1) if scatter else 2 * (size - 1)
+    return partials * 4 * (size - 1) + partials * v_dim * out_bytes * share // size
