@@ -39,7 +39,8 @@ BS = 64  # GPU MLA block size (FlashMLA / sparse backends)
 LAYOUTS = {  # name: (per-block shape [tokens, bytes or values per token], dtype)
     "bf16_latent": ((BS, 576), torch.bfloat16),
     "fp8_latent": ((BS, 656), torch.uint8),
-    # keys then scales per block; viewed as [BS, 132] like tests/test_materialize_dist.py
+    # keys then scales per block; viewed as [BS, 132] like
+    # tests/distributed/test_materialize_dist.py
     "indexer": ((BS, 132), torch.uint8),
 }
 SCENARIOS = {

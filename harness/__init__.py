@@ -8,7 +8,7 @@ shipped:
 * ``reference.py``: independent references (vLLM's slot-mapping kernel
   transcribed, float64 attention), never the package's ownership formula;
 * ``loopback.py``: owner processes serving blocks over NIXL or Mooncake on
-  one machine (tests/test_transfer_dist.py, benchmarks/pd_transfer.py).
+  one machine (tests/pd/test_transfer_dist.py, benchmarks/pd_transfer.py).
 
 The P/D test hooks and the one-GPU harness are import-time patches and live
 with the other patches in ``scripts/gpu/onegpu`` (``pd_hooks.py``).

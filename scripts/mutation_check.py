@@ -6,8 +6,8 @@ The mutations are ``harness/mutations.py`` (``N``: only those, by index).
 Prints one line per mutation: "FAILS (good)", "PASSES (BAD)", or "STALE"
 (its text is no longer in the file: the guard moved; the entry needs
 updating). Every mutation runs, whatever the others do; exit status 1 if
-any passes or is stale. No vLLM engine starts (unit and config-path tests
-only; a few minutes on 2 cores).
+any passes or is stale. No vLLM engine starts (modules of tests/unit and
+tests/distributed only; a few minutes on 2 cores).
 """
 import os
 import subprocess

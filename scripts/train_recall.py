@@ -18,7 +18,7 @@ the log and a loss plot.
 
 The model here is the reference implementation of vLLM's
 ``DeepseekV2ForCausalLM`` forward with ``q_lora_rank=None`` and dense MLPs
-(tests/test_recall.py checks it against transformers' on random weights).
+(tests/vllm/test_recall.py checks it against transformers' on random weights).
 """
 
 from __future__ import annotations

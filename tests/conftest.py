@@ -44,26 +44,34 @@ def amx_available() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
-# The fast tier for the inner loop (``bash scripts/test.sh -m quick``: about
-# 430 tests in 40 s on 2 cores): the modules that start no vLLM engine
-# and no group of processes (the core against its references, plans, the
-# decode and context arithmetic, the side channel, the startup checks on
-# vLLM's config path, the structure checks)
-QUICK_MODULES = {
-    "test_capacity", "test_chunks", "test_compat", "test_connector_units", "test_context",
-    "test_decode", "test_graph_buffers", "test_manifest", "test_ownership", "test_packaging",
-    "test_pd_params", "test_plan", "test_plan_pcp", "test_rebindings", "test_side_channel",
-    "test_sparse_indexer_op", "test_sparse_topk", "test_startup_checks", "test_step_context",
-    "test_triton_workspace"}
+# The folders, by the heaviest thing a module needs (the first that fits):
+#   pd/           a real KV transport (NIXL, Mooncake agents moving bytes) or a
+#                 prefill/decode pair; may start vLLM engines too
+#   vllm/         a real vLLM engine (run_generate, harness/run_vllm.py,
+#                 ``vllm serve``), no P/D transport
+#   distributed/  several processes (gloo groups of ranks, builders.spawn_ranks;
+#                 child pytest runs), no vLLM engine
+#   unit/         one process: torch, vLLM's config path, stand-ins (fakes of
+#                 the transport, the groups, the engine loop); a one-off
+#                 child interpreter for a check is fine
+# (``distributed``, not ``dist``: pytest does not recurse into ``dist``.)
+# The fast tier for the inner loop is tests/unit: ``bash scripts/test.sh
+# tests/unit`` or ``-m quick`` (its marker, for selections across folders).
+UNIT = os.path.join(ROOT, "tests", "unit")
+
+
+def in_fast_tier(path) -> bool:
+    """Whether the test module at ``path`` is in the fast tier (tests/unit)."""
+    return os.path.commonpath([os.path.abspath(path), UNIT]) == UNIT
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "quick: the fast tier (conftest.QUICK_MODULES)")
+    config.addinivalue_line("markers", "quick: the fast tier (the modules under tests/unit)")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.module.__name__.rpartition(".")[2] in QUICK_MODULES:
+        if in_fast_tier(item.path):
             item.add_marker(pytest.mark.quick)
 
 

@@ -1,4 +1,5 @@
-"""Network namespaces standing in for hosts.
+"""Network namespaces standing in for hosts, and the calls the tests make to
+the servers they start on them (``post``, ``scrape``, ``wait_until``).
 
 ``Hosts(names)`` makes one namespace per name, each with an interface
 ``eth0`` on a private /24 of the benchmarking range (198.18.0.0/15), joined
@@ -13,11 +14,15 @@ What the namespaces do not separate: the file system and ``/dev/shm``
 node, see docs/deployment.md), CPU cores and the process table.
 """
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 
 SUBNETS = 512  # /24s in 198.18.0.0/15
 
@@ -193,3 +198,38 @@ class Topology:
         if self._inside(role):
             env.update(GLOO_SOCKET_IFNAME="eth0", UCX_NET_DEVICES="eth0", UCX_TLS="tcp")
         return env
+
+
+# Talking to the servers the tests start (pd/test_disaggregated.py,
+# vllm/test_multinode.py)
+def post(url, body, timeout=300, headers=None):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def scrape(url, sample, **labels):
+    """Values of ``sample`` under ``/metrics`` whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return [s.value for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+def wait_until(pred, timeout, what):
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            if pred():
+                return
+        except Exception:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -12,7 +12,7 @@ and TP axes swapped ("DCP spans PCP first, then TP"):
 
 * vLLM 0.32 and 0.33 list the group's members in that order, so the DCP
   rank (``rank_in_group``) is ``tp_rank * PCP + pcp_rank`` (``pcp_first``;
-  ``tests/test_pcp_tp_group.py`` reads it from vLLM's own groups); but
+  ``tests/distributed/test_pcp_tp_group.py`` reads it from vLLM's own groups); but
   torch orders a group's collectives by world rank, so there a gather's
   output slot ``i`` holds world rank ``i``, not DCP rank ``i``: a gather
   indexed by shard rank must permute (the test shows both orders);

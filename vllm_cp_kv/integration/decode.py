@@ -179,7 +179,7 @@ def amx_attention_with_lse(q: torch.Tensor, kv_cache: torch.Tensor, local: AMXLo
     the kernel leaves each KV split's normalized output and natural-log LSE
     in its ``attn_logits`` workspace (the last column), so the LSE of the
     whole is their logsumexp (checked against float64 attention in
-    tests/test_decode.py). Rows that see no owned token get a zero output
+    tests/unit/test_decode.py). Rows that see no owned token get a zero output
     and ``-inf`` (the kernel leaves NaN there)."""
     rows, heads, width = q.shape
     flat = kv_cache.view(-1, 1, width)

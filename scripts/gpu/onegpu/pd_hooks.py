@@ -8,7 +8,7 @@ the decode honours two more keys of a request's ``kv_transfer_params``:
 
 * ``cp_kv_test_pause_s`` (0 to 600): the pull pauses that long between the
   prefill ranks' reads and logs ``cp_kv connector: test hook: request <id>
-  read rank 0's blocks; pausing ...`` (tests/test_disaggregated.py kills the
+  read rank 0's blocks; pausing ...`` (tests/pd/test_disaggregated.py kills the
   prefill there);
 * ``cp_kv_test_ignore_positions`` (bool): the blocks are written in arrival
   order, rank by rank, without their logical positions
@@ -20,7 +20,7 @@ of the process (``pd_offline``, whose params come from its prefill:
 benchmarks/gpu_onegpu.py, run ``pd-pcp2-shard2-nixl-dropped``).
 ``CPKV_TEST_WRONG_DECODE_RANK=1``: a sharded decode rank takes the blocks
 the next decode rank owns (the consumer's ``for_decode_rank`` asked for
-rank + 1): the negative control of a sharded decode, tests/test_pd_sharded_decode.py.
+rank + 1): the negative control of a sharded decode, tests/pd/test_pd_sharded_decode.py.
 
 How: ``TransferParams`` ignores unknown keys, so the keys reach the decode's
 scheduler, where ``scheduler.check_params`` parses the raw dict; only the

@@ -14,7 +14,7 @@ client (``SideChannelClient``, ``Consumer.receive``) driven directly.
 * the optional shared secret (HMAC on requests and replies);
 * a fuzz run of a few hundred random, truncated, oversized, deeply nested,
   many-framed and wrong-schema messages (fixed seed), after which a correct
-  fetch is answered (tests/test_peer_bounds.py: what peers can make the
+  fetch is answered (tests/pd/test_peer_bounds.py: what peers can make the
   servers hold or wait for).
 
 On the previous side channel (``multiprocessing.connection``, a fixed
@@ -262,7 +262,7 @@ def test_a_fetch_before_the_prefill_workers_know_the_request_is_retried(prefill)
 
 def test_the_pd_test_hooks_pause_between_ranks_and_drop_positions(prefill, monkeypatch):
     """The decode's P/D test hooks (scripts/gpu/onegpu/pd_hooks.py, outside
-    the package; tests/test_disaggregated.py's negative control and kill
+    the package; tests/pd/test_disaggregated.py's negative control and kill
     mid-transfer run them in a real decode): patched in here, a request
     naming their keys pauses between the ranks' reads and gets its blocks
     written in arrival order; a request without them pulls as before."""

@@ -1,6 +1,6 @@
 """``pip install`` / a wheel installs what users meet: the vLLM plugin entry
 point (``vllm.general_plugins``) and the ``vllm-cp-kv`` console script (its
-capacity figures against the engine's: tests/test_e2e_vllm.py)."""
+capacity figures against the engine's: tests/vllm/test_e2e_vllm.py)."""
 
 import os
 import re

@@ -13,7 +13,7 @@ before it:
   of side-channel messages lets the lease sweep run between batches;
 * no transfer token in what the plugin's log lines can print.
 (A decode off loopback with a secret and no allow-list refused at startup:
-tests/test_peer_bounds.py.)
+tests/pd/test_peer_bounds.py.)
 """
 
 import queue

@@ -28,8 +28,7 @@ import pytest
 
 from builders import free_port
 from conftest import CPU_ENV, ROOT, needs_vllm
-from hosts import make_hosts, store_port
-from test_disaggregated import post, scrape, wait_until
+from hosts import make_hosts, post, scrape, store_port, wait_until
 
 pytestmark = needs_vllm
 NODES = ("node0", "node1")

@@ -18,7 +18,7 @@ prefill into a TP=2 sharded decode, the same over Mooncake, and the
 negative control: each decode rank takes its neighbour's blocks
 (``CPKV_TEST_WRONG_DECODE_RANK``, scripts/gpu/onegpu/pd_hooks.py) and the
 answer changes. The placement arithmetic itself is checked against brute
-force, with its negative control, in tests/test_manifest.py.
+force, with its negative control, in tests/unit/test_manifest.py.
 """
 
 import json

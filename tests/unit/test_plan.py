@@ -2,7 +2,8 @@
 every rank's pack is computed here and concatenated as the all-gather
 would). The reference reads each token from where vLLM's slot-mapping
 kernel stored it (harness/reference.py), not through the ownership rule.
-Multi-process runs with real collectives are in test_materialize_dist.py."""
+Multi-process runs with real collectives are in
+tests/distributed/test_materialize_dist.py."""
 
 import pytest
 import torch

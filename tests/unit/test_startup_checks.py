@@ -403,7 +403,7 @@ def test_row_spec_method(tiny_dsv2):
 def test_speculative_decoding_runs_with_graphs_on_gpu(monkeypatch):
     """MTP and n-gram are admitted on GPU, eager or with CUDA graphs (the
     verification and draft decode rows read persistent buffers,
-    tests/test_graph_buffers.py; measured in the GPU matrix)."""
+    tests/unit/test_graph_buffers.py; measured in the GPU matrix)."""
     from vllm_cp_kv.integration import checks
 
     for gpu in (True, False):

@@ -50,7 +50,7 @@ def test_wrong_positions():
     """A block delivered to a position another rank owns is refused. Two of a
     rank's own blocks swapped pass validation (the receiver cannot know the
     sender's table), and the rebuilt layout is wrong: that is caught on the
-    bytes (tests/test_transfer_dist.py moves real blocks and compares them
+    bytes (tests/pd/test_transfer_dist.py moves real blocks and compares them
     with the unsharded layout, dropping positions as negative control)."""
     table = [5, 9, 11]
     m = owned_manifest(1, 2, BS, table, 6 * BS)  # logical blocks 1, 3, 5

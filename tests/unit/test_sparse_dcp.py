@@ -6,7 +6,7 @@ over the whole row; and the selection of the path.
 The DCP group here is a stand-in whose all-gather returns what every rank
 contributed (the ranks run one after another in this process: no GPU, and
 the op itself needs one); the exchange's arithmetic is tested in
-tests/test_sparse_topk.py, the real collective on the H200
+tests/unit/test_sparse_topk.py, the real collective on the H200
 (benchmarks/results/h200x1-2026-12-04-sparse-shard-aware)."""
 
 import inspect

@@ -38,7 +38,7 @@ model config: layers x block size x 576 values x 4 bytes per block).
 
 Not here, and why: the negative control (dropping the logical positions must
 change the result) is asserted on the transferred bytes, NIXL and Mooncake,
-in tests/test_transfer_dist.py (seconds, not minutes); a P/D run with
+in tests/pd/test_transfer_dist.py (seconds, not minutes); a P/D run with
 the positions dropped (then ``--drop-positions``, now the decode test hook of
 scripts/gpu/onegpu/pd_hooks.py) is recorded in
 benchmarks/results/cpu-2026-11-30-pd-offline.
@@ -60,7 +60,7 @@ pytestmark = needs_vllm
 WAVES = {"nixl": 2, "mooncake": 1}
 # Mooncake through real vLLM is opt-in, like the HTTP Mooncake tests: the
 # default suite must stay well under 30 minutes on 2 cores, and Mooncake's
-# bytes are checked there by tests/test_transfer_dist.py (same connector code
+# bytes are checked there by tests/pd/test_transfer_dist.py (same connector code
 # path as NIXL from the manifest on; docs/disaggregated.md, "Status").
 MOONCAKE = pytest.param("mooncake", marks=pytest.mark.skipif(
     os.environ.get("VLLM_CP_KV_RUN_PD_E2E") != "1",

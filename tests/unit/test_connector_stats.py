@@ -1,6 +1,6 @@
 """The connector's transfer figures, the GPU-facing choices and the worker
 metric files, without an engine (seconds; real vLLM runs them in
-tests/test_disaggregated.py, which scrapes ``/metrics``).
+tests/pd/test_disaggregated.py, which scrapes ``/metrics``).
 
 * transfer figures: what a decode pull and a prefill rank count (bytes =
   blocks x page bytes of every cache; served, released, expired), vLLM's

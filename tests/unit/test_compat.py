@@ -283,13 +283,41 @@ def test_every_module_global_is_documented():
     assert module_state("X = {}\nY = None\nZ = 2\ndef f():\n    global Y\n    Y = 1\n") == {"X", "Y"}
 
 
-def test_the_fast_tier_names_real_test_modules():
-    """``-m quick`` (conftest.QUICK_MODULES): every module it names exists,
-    and the modules that run vLLM's engine stay out of it."""
-    from conftest import QUICK_MODULES
+# What puts a test module out of tests/unit (tests/conftest.py, the folder
+# rule): a vLLM engine started, or a group of processes
+ENGINE = ("run_generate(", "harness_env(", "vllm serve", "tools.pd_offline")
+PROCESSES = ("spawn_ranks(", "init_process_group(", "Popen(", "mutation_check")
+FOLDERS = ("unit", "distributed", "vllm", "pd")
 
-    for name in QUICK_MODULES:
-        assert os.path.exists(os.path.join(ROOT, "tests", name + ".py")), name
-    engines = {"test_e2e_vllm", "test_mtp", "test_recall", "test_tp4", "test_prefix_caching",
-               "test_pd_offline", "test_disaggregated", "test_multinode", "test_pd_sharded_decode"}
-    assert not QUICK_MODULES & engines
+
+def _needs(path) -> set:
+    text = open(path).read()
+    return {m for m in ENGINE + PROCESSES if m in text}
+
+
+def test_the_test_folders_follow_their_rule():
+    """Every test module is in one of the folders (tests/conftest.py), its
+    name unique (pytest's default import mode); ``-m quick`` is exactly
+    tests/unit; no module there starts a vLLM engine or a group of
+    processes, and none in tests/distributed an engine. Negative controls:
+    an engine module and a process-group module are found."""
+    from conftest import in_fast_tier
+
+    tests = os.path.join(ROOT, "tests")
+    found = {}
+    for dirpath, _, files in os.walk(tests):
+        for f in files:
+            if f.startswith("test_") and f.endswith(".py"):
+                found.setdefault(f, []).append(os.path.relpath(dirpath, tests))
+    assert {f: d for f, d in found.items() if len(d) > 1} == {}
+    assert {f: d[0] for f, d in found.items() if d[0] not in FOLDERS} == {}
+    assert {d[0] for d in found.values()} == set(FOLDERS)
+    for f, (folder,) in found.items():
+        path = os.path.join(tests, folder, f)
+        assert in_fast_tier(path) == (folder == "unit"), path
+        if folder == "unit" and f != os.path.basename(__file__):  # this file names them
+            assert not _needs(path), (path, _needs(path))
+        if folder == "distributed":
+            assert not _needs(path) & set(ENGINE), (path, _needs(path))
+    assert _needs(os.path.join(tests, "vllm", "test_e2e_vllm.py")) & set(ENGINE)
+    assert _needs(os.path.join(tests, "distributed", "test_materialize_dist.py")) & set(PROCESSES)

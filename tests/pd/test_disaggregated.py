@@ -38,14 +38,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import pytest
 
 from builders import free_port
 from conftest import CPU_ENV, ROOT, harness_env, needs_vllm, run_generate
-from hosts import Topology, make_hosts, store_port
+from hosts import Topology, make_hosts, post, scrape, store_port, wait_until
 from pd_support import FakePrefill, FakeRouter, pickled
 
 E2E = os.environ.get("VLLM_CP_KV_RUN_PD_E2E") == "1"
@@ -70,33 +69,12 @@ SECRET = {"mooncake": secrets.token_urlsafe(24)}
 OTHER = 101  # host part of the prefill's second address (namespaces only)
 
 
-def post(url, body, timeout=300, headers=None):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
 def kv_usage(url):
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
         for line in r.read().decode().splitlines():
             if line.startswith("vllm:kv_cache_usage_perc{"):
                 return float(line.rsplit(" ", 1)[1])
     raise AssertionError("no vllm:kv_cache_usage_perc metric")
-
-
-def scrape(url, sample, **labels):
-    """Values of ``sample`` under ``/metrics`` whose labels include ``labels``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return [s.value for family in text_string_to_metric_families(text)
-            for s in family.samples
-            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
 
 
 def page_bytes(model):
@@ -123,18 +101,6 @@ def check_transfer_figures(servers):
     assert decode("vllm:cp_kv_transfer_blocks_total") == blocks
     assert decode("vllm:cp_kv_transfer_bytes_total") == blocks * page_bytes(servers.model)
     assert decode("vllm:cp_kv_transfer_seconds_count") == ok
-
-
-def wait_until(pred, timeout, what):
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            if pred():
-                return
-        except Exception:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Servers:
