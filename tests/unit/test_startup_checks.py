@@ -577,3 +577,138 @@ def test_query_replication_is_derived_on_cpu_except_with_amx(tiny_dsv2, monkeypa
     assert derived(amx=True, attention_config={"backend": "CPU_MLA"}) is True
     assert derived(amx=False, dcp_q_replicate=False) is False  # the user's choice
     assert derived(amx=False, decode="materialize") is None  # no query gather to skip
+
+
+# The MLA architectures of vLLM 0.34 (vllm_cp_kv/integration/models.py,
+# docs/models.md), on the config path: every architecture of a refused
+# family is refused with its row's message naming it, whatever vLLM says of
+# MLA and with the unverified-model option on; the unverified ones only
+# without that option; the ones that run pass (the negative control). The
+# hf configs are transformers' own classes where it has them.
+HF_CONFIGS = {"deepseek-v4": "DeepseekV4Config", "glm5-next": "Glm5NextTextConfig",
+              "kimi-linear": "KimiLinearConfig", "hy-v4": "HYV4Config",
+              "dense-mla": "Glm4MoeLiteConfig", "deepseek-v2": "DeepseekV3Config"}
+
+
+def model_config(arch, family, use_mla=True):
+    from types import SimpleNamespace
+
+    import transformers
+
+    name = HF_CONFIGS.get(family)
+    hf = getattr(transformers, name)() if name else SimpleNamespace()
+    return SimpleNamespace(model=f"tiny-{arch}", architectures=[arch], use_mla=use_mla,
+                           hf_text_config=hf)
+
+
+def options(allow=False):
+    from vllm_cp_kv.integration.options import CPKVOptions
+
+    return CPKVOptions(enable=True, allow_unverified_model=allow)
+
+
+def expect_family_row(row):
+    from vllm_cp_kv.integration import checks, models
+
+    families = [f for f in models.FAMILIES if f.row == row]
+    assert families, row
+    for fam in families:
+        for arch in fam.archs:
+            for use_mla, allow in ((True, False), (False, False), (True, True)):
+                with pytest.raises(ValueError) as info:
+                    checks.check_model(model_config(arch, fam.name, use_mla), options(allow))
+                msg = str(info.value)
+                assert any(m in msg for m in DOC[row]), (row, msg)
+                assert msg.startswith("cp_kv: ") and arch in msg, msg
+
+
+def test_row_arch_deepseek_v4():
+    expect_family_row("arch-deepseek-v4")
+
+
+def test_row_arch_dots3_note():
+    expect_family_row("arch-dots3-note")
+
+
+def test_row_arch_glm5_next():
+    expect_family_row("arch-glm5-next")
+
+
+def test_row_arch_kimi_linear():
+    expect_family_row("arch-kimi-linear")
+
+
+def test_row_arch_bailing_hybrid():
+    expect_family_row("arch-bailing-hybrid")
+
+
+def test_row_arch_hy_v4():
+    expect_family_row("arch-hy-v4")
+
+
+def test_row_arch_mistral_large_4():
+    expect_family_row("arch-mistral-large-4")
+
+
+def test_row_arch_sarvam_mla():
+    expect_family_row("arch-sarvam-mla")
+
+
+def test_row_arch_eagle():
+    expect_family_row("arch-eagle")
+
+
+def test_row_arch_unverified(caplog):
+    from vllm_cp_kv.integration import checks, models
+
+    fam = next(f for f in models.FAMILIES if f.row == "arch-unverified")
+    for arch in fam.archs + ("SomeNewMLAForCausalLM",):
+        with pytest.raises(ValueError) as info:
+            checks.check_model(model_config(arch, fam.name), options())
+        msg = str(info.value)
+        assert any(m in msg for m in DOC["arch-unverified"]) and arch in msg, msg
+        checks.check_model(model_config(arch, fam.name), options(allow=True))  # admitted
+    # the architectures that ran sharded start without the option
+    for fam in models.FAMILIES:
+        if fam.status == models.RUNS:
+            for arch in fam.archs:
+                checks.check_model(model_config(arch, "deepseek-v2"), options())
+
+
+def mla_spec(**kw):
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
+                            dtype=torch.bfloat16, **kw)
+
+
+def test_row_cache_kind():
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowMLASpec, SparseCacheRole
+
+    from vllm_cp_kv.integration import checks
+
+    # the latent and DeepSeek-V3.2's indexer keys: sharded
+    checks.check_kv_cache_specs({"l0": mla_spec(), "l0.indexer": mla_spec(
+        cache_role=SparseCacheRole.INDEXER)}, {})
+    bad = {"window": SlidingWindowMLASpec(block_size=16, num_kv_heads=1, head_size=576,
+                                          dtype=torch.bfloat16, sliding_window=128),
+           "compressed": mla_spec(tokens_per_state=4),
+           "v4": mla_spec(model_version="deepseek_v4"),
+           "windowed-mla": mla_spec(sliding_window=64),
+           "kda": MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))}
+    for name, spec in bad.items():
+        with pytest.raises(ValueError) as info:
+            checks.check_kv_cache_specs({"l0": mla_spec(), name: spec}, {})
+        msg = str(info.value)
+        assert any(m in msg for m in DOC["cache-kind"]) and name in msg, msg
+
+
+def test_row_kv_sharing():
+    from vllm_cp_kv.integration import checks
+
+    with pytest.raises(ValueError) as info:
+        checks.check_kv_cache_specs({"layers.0": mla_spec()}, {"layers.1": "layers.0"})
+    msg = str(info.value)
+    assert any(m in msg for m in DOC["kv-sharing"]) and "layers.1" in msg, msg

@@ -169,7 +169,7 @@ def _check_model_args(args, options: CPKVOptions) -> None:
     # Before vLLM's own DCP validation, which would reject a non-MLA model
     # with a message that does not mention cp_kv.
     model_config = args.create_model_config()
-    check_model(model_config)
+    check_model(model_config, options)
     sparse = bool(getattr(model_config.hf_text_config, "index_topk", None))
     check_kv_cache_dtype(str(getattr(args, "kv_cache_dtype", None) or "auto"), sparse)
     if sparse and _on_gpu() and not args.enforce_eager:
@@ -448,27 +448,66 @@ SPARSE_BACKENDS = ("FLASH_ATTN_MLA_SPARSE", "FLASHMLA_SPARSE")
 SPARSE_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 
 
-def check_model(model_config) -> None:
-    """The model must be MLA: dense (DeepSeek-V2/V3) or, on GPU, with
-    DeepSeek-V3.2 sparse attention (its indexer cache is sharded too)."""
+def check_model(model_config, options: CPKVOptions | None = None) -> None:
+    """The model must be MLA on an architecture that runs sharded
+    (``models.FAMILIES``, docs/models.md): dense (DeepSeek-V2/V3) or, on
+    GPU, with DeepSeek-V3.2 sparse attention (its indexer cache is sharded
+    too); an MLA architecture that has not run sharded only with
+    ``cp_kv.allow_unverified_model``."""
+    from .models import ARCHITECTURES, REFUSED, RUNS, refusal
+
+    archs = list(getattr(model_config, "architectures", None) or [])
+    for arch in archs:  # before use_mla: vLLM calls some of these non-MLA
+        if getattr(ARCHITECTURES.get(arch), "status", None) == REFUSED:
+            raise CPKVConfigError("cp_kv: " + refusal(arch, False))
     if not model_config.use_mla:
         raise CPKVConfigError(
             f"cp_kv: model {model_config.model!r} does not use MLA; cp_kv shards "
             "the MLA latent KV cache (DeepSeek-V2/V3 style). Disable cp_kv for "
             "this model.")
     hf = model_config.hf_text_config
-    if not getattr(hf, "index_topk", None):
-        return
-    archs = list(getattr(model_config, "architectures", None) or [])
-    if not set(archs) & set(SPARSE_ARCHITECTURES):
+    if getattr(hf, "index_topk", None):
+        if not set(archs) & set(SPARSE_ARCHITECTURES):
+            raise CPKVConfigError(
+                f"cp_kv: sparse-attention architecture {archs} is not supported with "
+                "sharded KV; only models on vLLM's DeepSeek-V3.2 attention are ("
+                f"{', '.join(SPARSE_ARCHITECTURES)}). Disable cp_kv for this model.")
+        if not _on_gpu():
+            raise CPKVConfigError(
+                "cp_kv: sparse-attention (DeepSeek-V3.2) models need a GPU (vLLM has "
+                "no sparse MLA backend on this platform); disable cp_kv here.")
+    allow = bool(options is not None and options.allow_unverified_model)
+    for arch in archs:
+        reason = refusal(arch, allow)
+        if reason is not None:
+            raise CPKVConfigError("cp_kv: " + reason)
+    if allow and not all(getattr(ARCHITECTURES.get(a), "status", None) == RUNS
+                         for a in archs):
+        logger.warning("cp_kv: architecture %s has not run sharded with this release "
+                       "(cp_kv.allow_unverified_model); compare its outputs with an "
+                       "unsharded run (docs/models.md).", archs)
+
+
+def check_kv_cache_specs(specs: dict, shared: dict) -> None:
+    """At worker start, once the model is built: every layer's KV cache is
+    the plain MLA latent (or DeepSeek-V3.2's indexer keys), and no layer
+    reads another layer's cache (``shared``: layer -> the layer whose cache
+    it reads). The net under :func:`check_model`'s table."""
+    from .models import spec_problem
+
+    for name, spec in specs.items():
+        problem = spec_problem(spec)
+        if problem is not None:
+            raise CPKVConfigError(
+                f"cp_kv: cannot shard the KV cache of layer {name}: {problem}; cp_kv "
+                "shards MLA latent caches of one token a row (docs/models.md). Disable "
+                "cp_kv for this model.")
+    if shared:
+        name, target = next(iter(shared.items()))
         raise CPKVConfigError(
-            f"cp_kv: sparse-attention architecture {archs} is not supported with "
-            "sharded KV; only models on vLLM's DeepSeek-V3.2 attention are ("
-            f"{', '.join(SPARSE_ARCHITECTURES)}). Disable cp_kv for this model.")
-    if not _on_gpu():
-        raise CPKVConfigError(
-            "cp_kv: sparse-attention (DeepSeek-V3.2) models need a GPU (vLLM has "
-            "no sparse MLA backend on this platform); disable cp_kv here.")
+            f"cp_kv: layer {name} reads the KV cache of layer {target} (cross-layer KV "
+            "sharing), which cp_kv does not shard (docs/models.md). Disable cp_kv for "
+            "this model.")
 
 
 LSE_DECODE_BACKENDS = ("FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA")
@@ -508,7 +547,7 @@ def check_vllm_config(vllm_config, options: CPKVOptions) -> None:
     """Model-level checks and late derivations (after the platform hook)."""
     if vllm_config.model_config is None or not options.kv_sharding:
         return
-    check_model(vllm_config.model_config)
+    check_model(vllm_config.model_config, options)
     check_hisparse(vllm_config.attention_config)
     parallel = vllm_config.parallel_config
     block_size = vllm_config.cache_config.block_size

@@ -53,6 +53,9 @@ class CPKVOptions:
     # GPU: gather layer l + 1's full view on a side stream while layer l
     # computes (prefill materialization); reserves a second scratch buffer.
     prefetch: bool = False
+    # Start an MLA architecture that has not run sharded with this release
+    # (docs/models.md, status "unverified"); refused families stay refused.
+    allow_unverified_model: bool = False
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> "CPKVOptions":
@@ -69,7 +72,8 @@ class CPKVOptions:
         if unknown:
             raise ValueError(
                 f"unknown cp_kv option(s) {unknown}; accepted: {sorted(known)}.")
-        for key in ("enable", "last_token_gather", "kv_sharding", "prefetch"):
+        for key in ("enable", "last_token_gather", "kv_sharding", "prefetch",
+                    "allow_unverified_model"):
             if not isinstance(raw.get(key, False), bool):
                 raise ValueError(
                     f"cp_kv.{key} must be true or false, got {raw[key]!r}.")

@@ -10,7 +10,7 @@ from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
 from ..core.capacity import one_request_view_blocks, scratch_blocks_bound
-from .checks import check_scratch_cap
+from .checks import check_kv_cache_specs, check_scratch_cap
 from . import vllm_api, worker_patches
 from .geometry import geometry_of, group_size_of
 from .metrics import ShardMetrics
@@ -47,6 +47,7 @@ class ShardedKVWorker(_PlatformWorker):
         specs = self.model_runner.get_kv_cache_spec()
         if not specs or not self._sharding():
             return available
+        check_kv_cache_specs(specs, self._shared_caches())
         from .sparse_dcp import shard_aware_sparse
 
         if shard_aware_sparse(self.vllm_config):
@@ -81,6 +82,13 @@ class ShardedKVWorker(_PlatformWorker):
             "the chunked context's workspace" if chunked else "the whole view",
             available / 2**20)
         return available - buffers * blocks * page_bytes
+
+    def _shared_caches(self) -> dict:
+        """Attention layers that read another layer's KV cache (vLLM's
+        cross-layer KV sharing): layer -> the layer whose cache it reads."""
+        layers = self.vllm_config.compilation_config.static_forward_context
+        return {name: target for name, layer in layers.items()
+                if (target := getattr(layer, "kv_sharing_target_layer_name", None))}
 
     def _sharded_impls(self) -> list:
         """The impls of the model's sharded attention layers."""
