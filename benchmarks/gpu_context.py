@@ -143,12 +143,12 @@ def summarize(results: dict) -> dict:
         for lay in LAYOUTS:
             res = results.get(f"{task}-{lay}") or {}
             waves = res.get("waves") or []
-            if not waves:
+            if not (waves or res.get("decode_steps")):
                 row[lay] = {"rc": res.get("rc", "missing")}
                 continue
             row[lay] = {"seconds": [round(w["seconds"], 4) for w in waves],
                         "prefix_hits": [w.get("prefix_cache_hits") for w in waves],
-                        **paths(waves)}
+                        **(paths(waves) if waves else {})}
             if res.get("decode_steps"):  # the steps task: s per decode step
                 row[lay]["decode_step_s"] = {d["context"]: round(d["seconds_per_step"], 5)
                                              for d in res["decode_steps"]}
