@@ -104,12 +104,20 @@ def test_workspace_option_and_floor():
     kw = dict(available_bytes=24 * 2**20, page_bytes=16 * 576 * 4, block_size=16)
     assert workspace_blocks(shard_size=2, workspace_tokens=100, **kw) == 7
     assert workspace_blocks(shard_size=8, workspace_tokens=16, **kw) == 8  # one block a rank
-    # 1% of 24 MiB is 6 blocks: the floor of 4 blocks per rank wins
-    assert workspace_blocks(shard_size=2, **kw) == 8
+    # 1% of 24 MiB is 6 blocks: with a max_model_len of 64 tokens (4
+    # blocks) the floor of 4 blocks per rank wins
+    assert workspace_blocks(shard_size=2, max_model_len=64, **kw) == 8
     bound = scratch_blocks_bound(num_layers=2, shard_size=2, max_num_seqs=12,
-                                 max_model_len=4096, chunked=True, **{
-                                     k: v for k, v in kw.items()})
+                                 max_model_len=64, chunked=True, **kw)
     assert bound == 8
+    # toward vLLM's own context chunk (64K tokens, or max_model_len): up to
+    # 2% of the budget (13 blocks here), never past max_model_len (10 blocks)
+    assert workspace_blocks(shard_size=2, max_model_len=4096, **kw) == 13
+    assert workspace_blocks(shard_size=2, max_model_len=160, **kw) == 10
+    big = dict(kw, available_bytes=8 * 2**30)  # 1%: 2,330 blocks; 2%: 4,660; DCP: 4,096
+    assert workspace_blocks(shard_size=2, max_model_len=131072, **big) == 65536 // 16
+    huge = dict(kw, available_bytes=2**40)  # 1% is already past 64K tokens: kept
+    assert workspace_blocks(shard_size=2, max_model_len=131072, **huge) == 2**40 // (100 * 16 * 576 * 4)
 
 
 @pytest.mark.parametrize("n,goal", [(2, 1.97), (4, 3.92), (8, 7.80)])

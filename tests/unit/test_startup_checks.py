@@ -675,6 +675,20 @@ def test_row_arch_unverified(caplog):
                 checks.check_model(model_config(arch, "deepseek-v2"), options())
 
 
+@pytest.mark.parametrize("arch", ["KimiLinearForCausalLM", "HYV4ForCausalLM",
+                                  "Glm4MoeLiteForCausalLM", "AXK1ForCausalLM",
+                                  "LongcatFlashForCausalLM"])
+def test_the_architecture_rows_on_vllms_own_config_path(arch, tmp_path_factory):
+    """The same refusals from EngineArgs, where this vLLM builds the
+    architecture's model config (a tiny config of transformers' class;
+    no weights: the check comes first)."""
+    from vllm_cp_kv.integration import models
+    from vllm_cp_kv.tools.tiny_model import build_arch_config
+
+    model = build_arch_config(arch, str(tmp_path_factory.mktemp("arch") / arch))
+    expect_row(models.ARCHITECTURES[arch].row, model)
+
+
 def mla_spec(**kw):
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec

@@ -4,9 +4,17 @@ sharded and not (``vllm-cp-kv capacity``)."""
 from __future__ import annotations
 
 
-# Default workspace of the chunked context: 1% of the KV budget, and at
-# least 4 blocks per rank (a chunk of a few blocks per rank moves little).
+# Default workspace of the chunked context: 1% of the KV budget, raised
+# toward vLLM's own MLA context chunk (DCP_CHUNK_TOKENS, or max_model_len if
+# less) while that costs at most 2% of the budget, so a long context takes
+# no more chunks (one all-gather each per layer) than vLLM's DCP reads it
+# in; at least 4 blocks per rank (a chunk of a few blocks per rank moves
+# little).
 WORKSPACE_BUDGET_DIVISOR = 100
+WORKSPACE_BUDGET_CEILING = 50  # at most 1/50 = 2% of the budget to reach DCP's chunk
+# vLLM's MLA chunked-prefill workspace, its context chunk (at most 64K
+# tokens: determine_chunked_prefill_workspace_size in vLLM 0.32 and 0.34)
+DCP_CHUNK_TOKENS = 64 * 1024
 MIN_WORKSPACE_BLOCKS_PER_RANK = 4
 
 
@@ -31,17 +39,22 @@ def whole_view_blocks(*, available_bytes: int, page_bytes: int, num_layers: int,
 
 
 def workspace_blocks(*, available_bytes: int, page_bytes: int, shard_size: int,
-                     block_size: int, workspace_tokens: int = 0) -> int:
+                     block_size: int, workspace_tokens: int = 0,
+                     max_model_len: int = 0) -> int:
     """Scratch blocks of the chunked context (prefill rows read their cached
     context in chunks of this many blocks of one layer, ``core.plan.
     chunk_ranges``): ``workspace_tokens`` if given, else 1% of the budget,
-    and never fewer than one block per rank (each chunk must make progress).
+    raised to vLLM's own context chunk (``DCP_CHUNK_TOKENS``, or
+    ``max_model_len`` where shorter) where that fits in 2% of the budget;
+    never fewer than one block per rank (each chunk must make progress).
     New tokens never pass through it (they come from the projections)."""
     if workspace_tokens:
-        blocks = -(-workspace_tokens // block_size)
-    else:
-        blocks = max(available_bytes // (WORKSPACE_BUDGET_DIVISOR * page_bytes),
-                     MIN_WORKSPACE_BLOCKS_PER_RANK * shard_size)
+        return max(-(-workspace_tokens // block_size), shard_size)
+    dcp_tokens = min(DCP_CHUNK_TOKENS, max_model_len or DCP_CHUNK_TOKENS)
+    blocks = max(available_bytes // (WORKSPACE_BUDGET_DIVISOR * page_bytes),
+                 min(-(-dcp_tokens // block_size),
+                     available_bytes // (WORKSPACE_BUDGET_CEILING * page_bytes)),
+                 MIN_WORKSPACE_BLOCKS_PER_RANK * shard_size)
     return max(blocks, shard_size)
 
 
@@ -82,7 +95,7 @@ def scratch_blocks_bound(*, available_bytes: int, page_bytes: int,
         blocks = min(blocks, workspace_blocks(
             available_bytes=available_bytes, page_bytes=page_bytes,
             shard_size=shard_size, block_size=block_size,
-            workspace_tokens=workspace_tokens))
+            workspace_tokens=workspace_tokens, max_model_len=max_model_len))
     if cap_blocks:
         blocks = min(blocks, cap_blocks)
     blocks -= blocks % shard_size

@@ -40,8 +40,10 @@ class CPKVOptions:
     decode: str = "lse"
     # Tokens of one layer that prefill rows read their cached context
     # through, chunk by chunk (each chunk gathered, attended to, merged by
-    # LSE); 0 = 1% of the KV budget. Sparse models, decode "materialize"
-    # and AMX_MLA read the whole view at once (docs/design.md).
+    # LSE); 0 = 1% of the KV budget, raised to vLLM's own context chunk
+    # (64K tokens, or max_model_len) where 2% of the budget holds it.
+    # Sparse models, decode "materialize" and AMX_MLA read the whole view
+    # at once (docs/design.md).
     workspace_tokens: int = 0
     # A prefill row's cached context (docs/context.md): "gathered" into the
     # full view; "owned": rows of at most owned_context_max_query new tokens

@@ -350,6 +350,31 @@ def _write(cfg, tok, out_dir: str, seed: int, device: str = "cpu") -> str:
     return out_dir
 
 
+# Architectures of docs/models.md whose configs transformers has: a tiny
+# config of each (defaults, 2 layers), for the startup checks on vLLM's
+# real config path (config only: the check refuses before weights load)
+ARCH_CONFIGS = {"KimiLinearForCausalLM": "KimiLinearConfig", "HYV4ForCausalLM": "HYV4Config",
+                "Glm4MoeLiteForCausalLM": "Glm4MoeLiteConfig", "AXK1ForCausalLM": "AXK1Config",
+                "LongcatFlashForCausalLM": "LongcatFlashConfig"}
+
+
+def build_arch_config(arch: str, out_dir: str) -> str:
+    """A directory with the tiny tokenizer and a config of ``arch`` (no
+    weights: enough for vLLM to build its model config)."""
+    import transformers
+
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    tok = build_tokenizer(700)
+    tok.save_pretrained(out_dir)
+    cfg = getattr(transformers, ARCH_CONFIGS[arch])(num_hidden_layers=2, vocab_size=len(tok))
+    data = {**cfg.to_dict(), "architectures": [arch]}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(data, f)
+    return out_dir
+
+
 def build_llama(out_dir: str) -> str:
     """A tiny non-MLA (Llama) model, for the startup check that rejects it."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
