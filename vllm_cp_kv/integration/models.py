@@ -64,8 +64,15 @@ FAMILIES = (
            "sparse MLA (DSA: lightning indexer, top-k) on every layer", f"{MLA}; {INDEXER}",
            RUNS, shown_by="GPU benchmarks/results/h200x1-2026-12-04-sparse-shard-aware "
                           "(GLM-5 row too; MTP eager)"),
+    Family("glm4-moe-lite", ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteMTPModel"),
+           "dense MLA (GLM-4.7-Flash); its MTP draft layers alike", MLA, RUNS,
+           shown_by="CPU: tests/vllm/test_models_e2e.py (TP=2 float32, tokens equal "
+                    "unsharded, debug checks, corrupted-block control); GPU and its MTP "
+                    "draft not run yet"),
+    Family("axk1", ("AXK1ForCausalLM",), "dense MLA (A.X K1)", MLA, RUNS,
+           shown_by="CPU: tests/vllm/test_models_e2e.py (TP=2 float32, tokens equal "
+                    "unsharded, debug checks); GPU not run yet"),
     Family("dense-mla", ("KimiVLForConditionalGeneration", "KimiK25ForConditionalGeneration",
-                         "Glm4MoeLiteForCausalLM", "Glm4MoeLiteMTPModel", "AXK1ForCausalLM",
                          "MistralLarge3ForCausalLM", "PanguUltraMoEForCausalLM",
                          "OpenPanguMTPModel", "LongcatFlashForCausalLM",
                          "LongcatFlashNgramForCausalLM", "LongCatFlashMTPModel",

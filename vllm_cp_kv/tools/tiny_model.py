@@ -375,6 +375,55 @@ def build_arch_config(arch: str, out_dir: str) -> str:
     return out_dir
 
 
+def build_dense_arch(arch: str, out_dir: str, *, seed: int = 0) -> str:
+    """A tiny random-weight model of a dense-MLA architecture of
+    docs/models.md other than DeepSeek-V2/V3 (``Glm4MoeLiteForCausalLM``,
+    ``AXK1ForCausalLM``): the shapes of :func:`build` (latent 512 + rope 64,
+    the CPU MLA kernel's 576; one dense layer, one MoE layer of 4 experts)
+    in transformers' own config and model class."""
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    import transformers
+
+    tok = build_tokenizer(700)
+    shapes = dict(hidden_size=384, intermediate_size=768, moe_intermediate_size=192,
+                  num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6,
+                  q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+                  v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                  n_group=1, topk_group=1, norm_topk_prob=False, max_position_embeddings=4096,
+                  tie_word_embeddings=False, initializer_range=0.2,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id, vocab_size=len(tok))
+    layers = {"Glm4MoeLiteForCausalLM": dict(mlp_layer_types=["dense", "sparse"]),
+              "AXK1ForCausalLM": dict(first_k_dense_replace=1)}[arch]
+    cfg = getattr(transformers, ARCH_CONFIGS[arch])(**shapes, **layers)
+    _write(cfg, tok, out_dir, seed)
+    path = os.path.join(out_dir, "config.json")  # vLLM's model reads the older key
+    with open(path) as f:
+        data = json.load(f)
+    data.setdefault("first_k_dense_replace", 1)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    if arch == "AXK1ForCausalLM":  # vLLM's layers all hold this norm (used by MoE layers)
+        _add_missing_norms(out_dir, "post_mlp_layernorm", shapes["num_hidden_layers"],
+                           shapes["hidden_size"])
+    return out_dir
+
+
+def _add_missing_norms(out_dir: str, name: str, layers: int, hidden: int) -> None:
+    """Unit RMSNorm weights vLLM's model loads but transformers' does not
+    save (``model.layers.<i>.<name>.weight``)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out_dir, "model.safetensors")
+    weights = load_file(path)
+    for i in range(layers):
+        weights.setdefault(f"model.layers.{i}.{name}.weight",
+                           torch.ones(hidden, dtype=torch.bfloat16))
+    save_file(weights, path, metadata={"format": "pt"})
+
+
 def build_llama(out_dir: str) -> str:
     """A tiny non-MLA (Llama) model, for the startup check that rejects it."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
