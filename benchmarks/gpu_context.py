@@ -44,9 +44,9 @@ LAYOUTS = {  # in the order they run: the comparisons the issue asks first
     "gathered": ["--tp", "2", "--shard", "--stats", "--cp-kv", '{"context_path": "gathered"}'],
     "plain": ["--tp", "2", "--no-plugin"],
     # the workspace at vLLM's own context chunk (64K tokens, what DCP reads a
-    # chunk in) instead of the default 1% of the KV budget (37K tokens for
-    # this 3-layer model at 4 GiB; at DeepSeek-V3 shapes 1% of 8 GiB or more
-    # is already over 64K): the cold prompt's chunks, as many as DCP's
+    # chunk in), set: what the default became on 2026-12-06 (it was 1% of
+    # the KV budget, 37K tokens for this 3-layer model at 4 GiB; at
+    # DeepSeek-V3 shapes 1% of 8 GiB or more is already over 64K)
     "ws64k": ["--tp", "2", "--shard", "--stats", "--cp-kv", '{"workspace_tokens": 65536}'],
 }
 # models/recall-dsv2 under TP=2 (the harness projection's shape)

@@ -136,7 +136,7 @@ def main() -> int:
               f"on one rank only: {capacity(sharded) / capacity(plain):.2f}x the")
         print("             capacity at the same memory (2x, less the workspace a prefill "
               "reads its")
-        print("             cached context through: 1% of the KV memory).")
+        print("             cached context through: 1-2% of the KV memory).")
     print(f"answer:      greedy tokens of runs 2 and 3 "
           f"{'identical' if same else 'DIFFERENT'} "
           f"({sum(x == y for x, y in zip(sharded.get('tokens', []), double.get('tokens', [])))}"
