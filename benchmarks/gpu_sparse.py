@@ -85,6 +85,15 @@ def runs() -> dict:
     # lifted for this run, every launch synchronous (the failing kernel named)
     r["tp2-fas-mtp-shard-sync"] = ("dsv32-mtp", mtp + GRAPHS + SHARD, True, {
         "VLLM_CP_KV_VERIFY_SPARSE_MTP_GRAPHS": "1", "CUDA_LAUNCH_BLOCKING": "1"})
+    # the next try (issue 49): the same run with no prefill graph captured
+    # (the drafter's prefill graph is where the replay failed; decode
+    # batches stay captured whole), eager-synchronous variant beside it
+    nopg = ["--prefill-graph-sizes", ""]
+    verify = {"VLLM_CP_KV_VERIFY_SPARSE_MTP_GRAPHS": "1"}
+    r["tp2-fas-mtp-shard-nopg"] = ("dsv32-mtp", mtp + GRAPHS + SHARD + nopg, True, verify)
+    r["tp2-fas-mtp-plain-nopg"] = ("dsv32-mtp", mtp + GRAPHS + PLAIN + nopg, True, {})
+    r["tp2-fas-mtp-shard-nopg-sync"] = ("dsv32-mtp", mtp + GRAPHS + SHARD + nopg, True, {
+        **verify, "CUDA_LAUNCH_BLOCKING": "1"})
     # vLLM's own DCP sparse path (no plugin): its top-k merge needs CuteDSL
     r["tp2-fms-vllmdcp"] = ("dsv32-h32", TP2 + ["--dcp", "2"] + BACKENDS["fms"] + GEN + GRAPHS
                             + PLAIN, True, {})
@@ -110,6 +119,8 @@ GROUPS = {
     "sa-tp4": ["tp4-fas-plain", "tp4-fas-shard"],
     "sa-vllm": ["tp2-fms-vllmdcp"],
     "sa-mtp": ["tp2-fas-mtp-plain", "tp2-fas-mtp-shard", "tp2-fas-mtp-debug"],
+    "sa-mtp-nopg": ["tp2-fas-mtp-plain-nopg", "tp2-fas-mtp-shard-nopg",
+                    "tp2-fas-mtp-shard-nopg-sync"],
     "sa-mtp-sync": ["tp2-fas-mtp-shard-sync"],
 }
 GROUPS["all"] = [n for g in ("sa", "sa-dump", "sa-time", "sa-glm5", "sa-prefix", "sa-tp4")

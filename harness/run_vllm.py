@@ -334,6 +334,8 @@ def engine_options(a) -> dict:
         kw["graph_mode"] = a.graph_mode
     if a.capture_sizes:
         kw["capture_sizes"] = [int(x) for x in a.capture_sizes.split(",")]
+    if a.prefill_graph_sizes is not None:
+        kw["prefill_graph_sizes"] = [int(x) for x in a.prefill_graph_sizes.split(",") if x]
     if a.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = a.max_num_batched_tokens
     if a.kv_cache_dtype:
@@ -659,6 +661,9 @@ def main() -> None:
     ap.add_argument("--graph-mode", default=None,
                     help="GPU: CUDA graphs in this cudagraph_mode (e.g. FULL_DECODE_ONLY)")
     ap.add_argument("--capture-sizes", default=None, help="e.g. 1,2,4,8")
+    ap.add_argument("--prefill-graph-sizes", default=None,
+                    help="vLLM 0.34: token counts of the prefill CUDA graphs (the MTP "
+                         "drafter's prefill too); '' captures none")
     ap.add_argument("--count-collectives", action="store_true",
                     help="bytes through each worker's collectives, per step (CPU)")
     ap.add_argument("--time-decode", type=int, default=0,

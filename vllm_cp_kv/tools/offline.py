@@ -42,7 +42,8 @@ def engine_kwargs(model: str, *, tp: int = 1, pcp: int = 1, dcp: int = 1,
                   kv_bytes: int | None = None, gpu_mem: float | None = None,
                   rope: str | None = None, eager: bool = True, kv_role: str | None = None,
                   kv_extra: dict | None = None, graph_mode: str | None = None,
-                  capture_sizes: list[int] | None = None, **extra) -> dict:
+                  capture_sizes: list[int] | None = None,
+                  prefill_graph_sizes: list[int] | None = None, **extra) -> dict:
     """The keyword arguments of ``vllm.LLM`` (see the module docstring)."""
     kw = dict(model=model, tokenizer=model, tensor_parallel_size=tp, seed=0,
               enforce_eager=eager)
@@ -67,6 +68,8 @@ def engine_kwargs(model: str, *, tp: int = 1, pcp: int = 1, dcp: int = 1,
         compilation["cudagraph_mode"] = graph_mode
     if capture_sizes:
         compilation["cudagraph_capture_sizes"] = list(capture_sizes)
+    if prefill_graph_sizes is not None:  # vLLM 0.34's V2 runner; [] captures none
+        compilation["prefill_cudagraph_capture_token_sizes"] = list(prefill_graph_sizes)
     if compilation:
         kw["compilation_config"] = compilation
     if shard or cp_kv is not None:
