@@ -368,19 +368,24 @@ def build_arch_config(arch: str, out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     tok = build_tokenizer(700)
     tok.save_pretrained(out_dir)
-    cfg = getattr(transformers, ARCH_CONFIGS[arch])(num_hidden_layers=2, vocab_size=len(tok))
+    cfg = getattr(transformers, ARCH_CONFIGS[arch])(
+        num_hidden_layers=2, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     data = {**cfg.to_dict(), "architectures": [arch]}
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(data, f)
     return out_dir
 
 
-def build_dense_arch(arch: str, out_dir: str, *, seed: int = 0) -> str:
+def build_dense_arch(arch: str, out_dir: str, *, seed: int = 0,
+                     gpu_heads: bool = False) -> str:
     """A tiny random-weight model of a dense-MLA architecture of
     docs/models.md other than DeepSeek-V2/V3 (``Glm4MoeLiteForCausalLM``,
     ``AXK1ForCausalLM``): the shapes of :func:`build` (latent 512 + rope 64,
     the CPU MLA kernel's 576; one dense layer, one MoE layer of 4 experts)
-    in transformers' own config and model class."""
+    in transformers' own config and model class; ``gpu_heads``: the head
+    sizes of :func:`build`'s (nope and v 128, which GPU MLA prefill
+    backends require)."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     import transformers
@@ -388,8 +393,8 @@ def build_dense_arch(arch: str, out_dir: str, *, seed: int = 0) -> str:
     tok = build_tokenizer(700)
     shapes = dict(hidden_size=384, intermediate_size=768, moe_intermediate_size=192,
                   num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6,
-                  q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
-                  v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                  q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64,
+                  qk_nope_head_dim=128 if gpu_heads else 32, v_head_dim=128 if gpu_heads else 32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                   n_group=1, topk_group=1, norm_topk_prob=False, max_position_embeddings=4096,
                   tie_word_embeddings=False, initializer_range=0.2,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
