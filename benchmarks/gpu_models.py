@@ -29,6 +29,7 @@ from vllm_cp_kv.integration import models
 from vllm_cp_kv.tools import tiny_model
 
 RUNS_ARCHS = {"glm4": "Glm4MoeLiteForCausalLM", "axk1": "AXK1ForCausalLM"}
+# refused at startup: two refused families and an unverified one
 REFUSED_ARCHS = {"kimi-linear": "KimiLinearForCausalLM", "hy-v4": "HYV4ForCausalLM",
                  "longcat": "LongcatFlashForCausalLM"}
 GEN = ["--token-prompts", "1,40,250,700,1990,3000,4000,8000", "--max-model-len", "8200",
@@ -40,8 +41,9 @@ def model_dir(kind: str) -> str:
     """``run:ARCH`` a tiny model that runs, ``cfg:ARCH`` a config only."""
     how, _, arch = kind.partition(":")
     path = os.path.join(checks.MODELS, f"{how}-{arch}")
-    if how == "run":
-        return tiny_model.build_dense_arch(arch, path, gpu_heads=True)
+    if how == "run":  # GPU head sizes, positions past GEN's 8,200
+        return tiny_model.build_dense_arch(arch, path + "-gpu16k", gpu_heads=True,
+                                           max_positions=16384)
     return tiny_model.build_arch_config(arch, path)
 
 
@@ -63,8 +65,8 @@ def refusal_check(res: dict, arch: str) -> dict:
     """The run ended at startup with the family's message naming ``arch``."""
     fam = models.ARCHITECTURES[arch]
     log = res.get("log_tail") or ""
-    said = f"cp_kv: architecture {arch}" in log and (fam.why[:40] in log or
-                                                     "has not run sharded" in log)
+    reason = fam.why[:40] if fam.status == models.REFUSED else "has not run sharded"
+    said = f"cp_kv: architecture {arch}" in log and reason in log
     return {"ok": res.get("rc") not in (0, None) and said, "rc": res.get("rc"),
             "row": fam.row, "message_found": said}
 

@@ -11,7 +11,10 @@ import re
 from conftest import ROOT, needs_vllm
 
 pytestmark = needs_vllm
-MLA_CODE = re.compile(r"\bMLAAttention\b|MultiHeadLatentAttention|MLAAttentionSpec")
+# vLLM's MLA layer or cache spec named, or DeepSeek-V2's model code reused
+# (the VL, OCR and other models built on its MLA decoder layers)
+MLA_CODE = re.compile(r"\bMLAAttention\b|MultiHeadLatentAttention|MLAAttentionSpec"
+                      r"|deepseek_v2 import")
 
 
 def module_files(vllm_dir: str, module: str) -> list[str]:
@@ -23,8 +26,11 @@ def module_files(vllm_dir: str, module: str) -> list[str]:
             return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
                     if f.endswith(".py")]
         return [path + ".py"] if os.path.exists(path + ".py") else []
-    path = os.path.join(vllm_dir, "model_executor", "models", module + ".py")
-    return [path] if os.path.exists(path) else []
+    path = os.path.join(vllm_dir, "model_executor", "models", module)
+    if os.path.isdir(path):  # a package (the Transformers backend's)
+        return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+                if f.endswith(".py")]
+    return [path + ".py"] if os.path.exists(path + ".py") else []
 
 
 def mla_architectures() -> set[str]:

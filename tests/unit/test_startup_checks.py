@@ -673,6 +673,34 @@ def test_row_arch_unverified(caplog):
         if fam.status == models.RUNS:
             for arch in fam.archs:
                 checks.check_model(model_config(arch, "deepseek-v2"), options())
+    # ... unless vLLM resolved another implementation for them (--model-impl
+    # transformers: its own MLA, never run sharded)
+    via_transformers = model_config("DeepseekV3ForCausalLM", "deepseek-v2")
+    via_transformers.architecture = "TransformersMoEForCausalLM"
+    with pytest.raises(ValueError) as info:
+        checks.check_model(via_transformers, options())
+    assert "TransformersMoEForCausalLM" in str(info.value)
+    checks.check_model(via_transformers, options(allow=True))
+
+
+def test_mtp_drafts_of_unverified_targets_are_row_arch_unverified():
+    """MTP drafting sharded only where it ran (DeepSeek-V3, V3.2 / GLM-5):
+    another target's draft needs the option; n-gram and the DeepSeek
+    targets pass (the controls)."""
+    from types import SimpleNamespace
+
+    from vllm_cp_kv.integration import checks
+
+    mtp, ngram = SimpleNamespace(method="mtp"), SimpleNamespace(method="ngram")
+    glm = model_config("Glm4MoeLiteForCausalLM", "dense-mla")
+    with pytest.raises(ValueError) as info:
+        checks.check_draft(mtp, glm, options())
+    msg = str(info.value)
+    assert any(m in msg for m in DOC["arch-unverified"]) and "Glm4MoeLiteForCausalLM" in msg
+    checks.check_draft(mtp, glm, options(allow=True))
+    checks.check_draft(ngram, glm, options())
+    for arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"):
+        checks.check_draft(mtp, model_config(arch, "deepseek-v2"), options())
 
 
 @pytest.mark.parametrize("arch", ["KimiLinearForCausalLM", "HYV4ForCausalLM",

@@ -4,16 +4,17 @@ sharded and not (``vllm-cp-kv capacity``)."""
 from __future__ import annotations
 
 
-# Default workspace of the chunked context: 1% of the KV budget, raised
-# toward vLLM's own MLA context chunk (DCP_CHUNK_TOKENS, or max_model_len if
-# less) while that costs at most 2% of the budget, so a long context takes
-# no more chunks (one all-gather each per layer) than vLLM's DCP reads it
-# in; at least 4 blocks per rank (a chunk of a few blocks per rank moves
-# little).
+# Default workspace of the chunked context: 1% of the KV budget, raised to
+# DCP_CHUNK_TOKENS or max_model_len, whichever is less, while that costs at
+# most 2% of the budget, so one request's context takes no more chunks (one
+# all-gather each per layer) than vLLM's DCP reads it in; at least 4 blocks
+# per rank (a chunk of a few blocks per rank moves little).
 WORKSPACE_BUDGET_DIVISOR = 100
 WORKSPACE_BUDGET_CEILING = 50  # at most 1/50 = 2% of the budget to reach DCP's chunk
-# vLLM's MLA chunked-prefill workspace, its context chunk (at most 64K
-# tokens: determine_chunked_prefill_workspace_size in vLLM 0.32 and 0.34)
+# the most vLLM's MLA chunked-prefill workspace, its context chunk, holds:
+# min(64K, max(8 * max_model_len, 4 * max_num_seqs * block_size)) tokens
+# (determine_chunked_prefill_workspace_size in vLLM 0.32 and 0.34; activation
+# memory there, out of the KV budget here)
 DCP_CHUNK_TOKENS = 64 * 1024
 MIN_WORKSPACE_BLOCKS_PER_RANK = 4
 

@@ -457,6 +457,12 @@ def check_model(model_config, options: CPKVOptions | None = None) -> None:
     from .models import ARCHITECTURES, REFUSED, RUNS, refusal
 
     archs = list(getattr(model_config, "architectures", None) or [])
+    # the implementation vLLM resolved (``--model-impl transformers`` runs a
+    # DeepSeek config on TransformersForCausalLM, whose MLA has not run
+    # sharded): judged with the names the config gives
+    resolved = getattr(model_config, "architecture", None)
+    if isinstance(resolved, str) and resolved not in archs:
+        archs.append(resolved)
     for arch in archs:  # before use_mla: vLLM calls some of these non-MLA
         if getattr(ARCHITECTURES.get(arch), "status", None) == REFUSED:
             raise CPKVConfigError("cp_kv: " + refusal(arch, False))
@@ -486,6 +492,26 @@ def check_model(model_config, options: CPKVOptions | None = None) -> None:
         logger.warning("cp_kv: architecture %s has not run sharded with this release "
                        "(cp_kv.allow_unverified_model); compare its outputs with an "
                        "unsharded run (docs/models.md).", archs)
+
+
+def check_draft(speculative_config, model_config, options: CPKVOptions) -> None:
+    """MTP drafting has run sharded only for the families whose MTP layers
+    ran (``models.MTP_FAMILIES``): another target's draft model starts only
+    with ``cp_kv.allow_unverified_model`` (row arch-unverified)."""
+    from .models import ARCHITECTURES, MTP_FAMILIES
+
+    method = str(getattr(speculative_config, "method", None) or "")
+    if "mtp" not in method or options.allow_unverified_model:  # vLLM's MTP spellings
+        return
+    for arch in getattr(model_config, "architectures", None) or []:
+        fam = ARCHITECTURES.get(arch)
+        if fam is None or fam.name not in MTP_FAMILIES:
+            raise CPKVConfigError(
+                f"cp_kv: MTP drafting for architecture {arch} has not run sharded with this "
+                "release of vllm_cp_kv (only DeepSeek-V3 and DeepSeek-V3.2 / GLM-5 MTP "
+                "have: docs/models.md). Set cp_kv.allow_unverified_model=true to run it "
+                "anyway (and compare its outputs with an unsharded run), remove "
+                "--speculative-config, or disable cp_kv.")
 
 
 def check_kv_cache_specs(specs: dict, shared: dict) -> None:
@@ -548,6 +574,8 @@ def check_vllm_config(vllm_config, options: CPKVOptions) -> None:
     if vllm_config.model_config is None or not options.kv_sharding:
         return
     check_model(vllm_config.model_config, options)
+    if vllm_config.speculative_config is not None:
+        check_draft(vllm_config.speculative_config, vllm_config.model_config, options)
     check_hisparse(vllm_config.attention_config)
     parallel = vllm_config.parallel_config
     block_size = vllm_config.cache_config.block_size

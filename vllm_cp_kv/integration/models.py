@@ -6,15 +6,17 @@ Listed from vLLM 0.34's registry and model code (every architecture whose
 attention layers are MLA, draft models included), with the attention kinds
 of its layers and the KV cache specs vLLM makes for them. Two checks use it:
 
-* :func:`check_architecture` (startup, on the model config: before any
-  weight is loaded) refuses a family with a layer or cache kind cp_kv
-  cannot shard, naming the architecture, the kind and what to do; an MLA
-  architecture that has not run sharded with this release is refused unless
+* ``checks.check_model`` (startup, on the model config: before any weight
+  is loaded) refuses a family with a layer or cache kind cp_kv cannot
+  shard, naming the architecture, the kind and what to do (:func:`refusal`);
+  an MLA architecture that has not run sharded with this release (or an
+  MTP draft of one, ``checks.check_draft``) is refused unless
   ``cp_kv.allow_unverified_model`` is set.
-* :func:`check_kv_cache_specs` (worker, once the model is built) refuses
+* ``checks.check_kv_cache_specs`` (worker, once the model is built) refuses
   any layer whose cache is not the plain MLA latent (or DeepSeek-V3.2's
-  indexer keys) or that reads another layer's cache: the net under the
-  table, which holds whatever a config says, the option included.
+  indexer keys, :func:`spec_problem`) or that reads another layer's cache:
+  the net under the table, which holds whatever a config says, the option
+  included.
 """
 
 from __future__ import annotations
@@ -64,16 +66,15 @@ FAMILIES = (
            "sparse MLA (DSA: lightning indexer, top-k) on every layer", f"{MLA}; {INDEXER}",
            RUNS, shown_by="GPU benchmarks/results/h200x1-2026-12-04-sparse-shard-aware "
                           "(GLM-5 row too; MTP eager)"),
-    Family("glm4-moe-lite", ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteMTPModel"),
-           "dense MLA (GLM-4.7-Flash); its MTP draft layers alike", MLA, RUNS,
+    Family("glm4-moe-lite", ("Glm4MoeLiteForCausalLM",),
+           "dense MLA (GLM-4.7-Flash)", MLA, RUNS,
            shown_by="CPU: tests/vllm/test_models_e2e.py (TP=2 float32, tokens equal "
-                    "unsharded, debug checks, corrupted-block control); GPU and its MTP "
-                    "draft not run yet"),
+                    "unsharded, debug checks, corrupted-block control); GPU not run yet"),
     Family("axk1", ("AXK1ForCausalLM",), "dense MLA (A.X K1)", MLA, RUNS,
            shown_by="CPU: tests/vllm/test_models_e2e.py (TP=2 float32, tokens equal "
                     "unsharded, debug checks); GPU not run yet"),
     Family("dense-mla", ("KimiVLForConditionalGeneration", "KimiK25ForConditionalGeneration",
-                         "MistralLarge3ForCausalLM", "PanguUltraMoEForCausalLM",
+                         "Glm4MoeLiteMTPModel", "MistralLarge3ForCausalLM", "PanguUltraMoEForCausalLM",
                          "OpenPanguMTPModel", "LongcatFlashForCausalLM",
                          "LongcatFlashNgramForCausalLM", "LongCatFlashMTPModel",
                          "DeepseekVLV2ForCausalLM", "DeepseekOCRForCausalLM",
@@ -165,6 +166,8 @@ NOT_MLA = {
 }
 
 ARCHITECTURES = {arch: fam for fam in FAMILIES for arch in fam.archs}
+# the families whose MTP drafting ran sharded (checks.check_draft)
+MTP_FAMILIES = ("deepseek-v2", "deepseek-v32")
 assert len(ARCHITECTURES) == sum(len(f.archs) for f in FAMILIES), "an architecture twice"
 
 

@@ -378,7 +378,7 @@ def build_arch_config(arch: str, out_dir: str) -> str:
 
 
 def build_dense_arch(arch: str, out_dir: str, *, seed: int = 0,
-                     gpu_heads: bool = False) -> str:
+                     gpu_heads: bool = False, max_positions: int = 4096) -> str:
     """A tiny random-weight model of a dense-MLA architecture of
     docs/models.md other than DeepSeek-V2/V3 (``Glm4MoeLiteForCausalLM``,
     ``AXK1ForCausalLM``): the shapes of :func:`build` (latent 512 + rope 64,
@@ -395,7 +395,8 @@ def build_dense_arch(arch: str, out_dir: str, *, seed: int = 0,
                   num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6,
                   q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64,
                   qk_nope_head_dim=128 if gpu_heads else 32, v_head_dim=128 if gpu_heads else 32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                  n_group=1, topk_group=1, norm_topk_prob=False, max_position_embeddings=4096,
+                  n_group=1, topk_group=1, norm_topk_prob=False,
+                  max_position_embeddings=max_positions,
                   tie_word_embeddings=False, initializer_range=0.2,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   pad_token_id=tok.pad_token_id, vocab_size=len(tok))
