@@ -18,16 +18,13 @@ MLA_CODE = re.compile(r"\bMLAAttention\b|MultiHeadLatentAttention|MLAAttentionSp
 
 
 def module_files(vllm_dir: str, module: str) -> list[str]:
-    """The source files of a registry entry's module (a file of
-    vllm/model_executor/models, or a package under vllm/models)."""
+    """The source files of a registry entry's module: a file or package of
+    vllm/model_executor/models, or (named ``vllm.models...``) under vllm/."""
     if module.startswith("vllm."):
         path = os.path.join(os.path.dirname(vllm_dir), *module.split("."))
-        if os.path.isdir(path):
-            return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
-                    if f.endswith(".py")]
-        return [path + ".py"] if os.path.exists(path + ".py") else []
-    path = os.path.join(vllm_dir, "model_executor", "models", module)
-    if os.path.isdir(path):  # a package (the Transformers backend's)
+    else:
+        path = os.path.join(vllm_dir, "model_executor", "models", module)
+    if os.path.isdir(path):
         return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
                 if f.endswith(".py")]
     return [path + ".py"] if os.path.exists(path + ".py") else []

@@ -454,7 +454,7 @@ def check_model(model_config, options: CPKVOptions | None = None) -> None:
     GPU, with DeepSeek-V3.2 sparse attention (its indexer cache is sharded
     too); an MLA architecture that has not run sharded only with
     ``cp_kv.allow_unverified_model``."""
-    from .models import ARCHITECTURES, REFUSED, RUNS, refusal
+    from .models import RUNS, refusal, status_of
 
     archs = list(getattr(model_config, "architectures", None) or [])
     # the implementation vLLM resolved (``--model-impl transformers`` runs a
@@ -463,9 +463,10 @@ def check_model(model_config, options: CPKVOptions | None = None) -> None:
     resolved = getattr(model_config, "architecture", None)
     if isinstance(resolved, str) and resolved not in archs:
         archs.append(resolved)
-    for arch in archs:  # before use_mla: vLLM calls some of these non-MLA
-        if getattr(ARCHITECTURES.get(arch), "status", None) == REFUSED:
-            raise CPKVConfigError("cp_kv: " + refusal(arch, False))
+    for arch in archs:  # refused families first: vLLM calls some of them non-MLA
+        reason = refusal(arch, allow_unverified=True)
+        if reason is not None:
+            raise CPKVConfigError("cp_kv: " + reason)
     if not model_config.use_mla:
         raise CPKVConfigError(
             f"cp_kv: model {model_config.model!r} does not use MLA; cp_kv shards "
@@ -487,8 +488,7 @@ def check_model(model_config, options: CPKVOptions | None = None) -> None:
         reason = refusal(arch, allow)
         if reason is not None:
             raise CPKVConfigError("cp_kv: " + reason)
-    if allow and not all(getattr(ARCHITECTURES.get(a), "status", None) == RUNS
-                         for a in archs):
+    if allow and not all(status_of(a) == RUNS for a in archs):
         logger.warning("cp_kv: architecture %s has not run sharded with this release "
                        "(cp_kv.allow_unverified_model); compare its outputs with an "
                        "unsharded run (docs/models.md).", archs)

@@ -171,6 +171,12 @@ MTP_FAMILIES = ("deepseek-v2", "deepseek-v32")
 assert len(ARCHITECTURES) == sum(len(f.archs) for f in FAMILIES), "an architecture twice"
 
 
+def status_of(arch: str) -> str | None:
+    """RUNS, UNVERIFIED or REFUSED; None for an architecture not in the table."""
+    fam = ARCHITECTURES.get(arch)
+    return None if fam is None else fam.status
+
+
 def refusal(arch: str, allow_unverified: bool) -> str | None:
     """Why ``arch`` does not start sharded (the message after ``cp_kv: ``),
     or None where it does."""

@@ -329,9 +329,11 @@ def _add_to_index(out_dir: str, filename: str, weights: dict) -> None:
         json.dump(index, f, indent=2)
 
 
-def _write(cfg, tok, out_dir: str, seed: int, device: str = "cpu") -> str:
+def _write(cfg, tok, out_dir: str, seed: int, device: str = "cpu",
+           keep: dict | None = None) -> str:
     """Random bf16 weights, tokenizer, and a config without the fields other
-    transformers releases reject on load."""
+    transformers releases reject on load (plus ``keep``: keys vLLM's model
+    reads that transformers' config no longer writes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -345,6 +347,7 @@ def _write(cfg, tok, out_dir: str, seed: int, device: str = "cpu") -> str:
         data = json.load(f)
     for key in ("layer_types", "mlp_layer_types"):
         data.pop(key, None)
+    data.update({k: v for k, v in (keep or {}).items() if k not in data})
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
     return out_dir
@@ -394,7 +397,8 @@ def build_dense_arch(arch: str, out_dir: str, *, seed: int = 0,
     shapes = dict(hidden_size=384, intermediate_size=768, moe_intermediate_size=192,
                   num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6,
                   q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64,
-                  qk_nope_head_dim=128 if gpu_heads else 32, v_head_dim=128 if gpu_heads else 32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                  qk_nope_head_dim=128 if gpu_heads else 32, v_head_dim=128 if gpu_heads else 32,
+                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                   n_group=1, topk_group=1, norm_topk_prob=False,
                   max_position_embeddings=max_positions,
                   tie_word_embeddings=False, initializer_range=0.2,
@@ -403,13 +407,8 @@ def build_dense_arch(arch: str, out_dir: str, *, seed: int = 0,
     layers = {"Glm4MoeLiteForCausalLM": dict(mlp_layer_types=["dense", "sparse"]),
               "AXK1ForCausalLM": dict(first_k_dense_replace=1)}[arch]
     cfg = getattr(transformers, ARCH_CONFIGS[arch])(**shapes, **layers)
-    _write(cfg, tok, out_dir, seed)
-    path = os.path.join(out_dir, "config.json")  # vLLM's model reads the older key
-    with open(path) as f:
-        data = json.load(f)
-    data.setdefault("first_k_dense_replace", 1)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
+    # vLLM's model reads the older key for the dense layers
+    _write(cfg, tok, out_dir, seed, keep={"first_k_dense_replace": 1})
     if arch == "AXK1ForCausalLM":  # vLLM's layers all hold this norm (used by MoE layers)
         _add_missing_norms(out_dir, "post_mlp_layernorm", shapes["num_hidden_layers"],
                            shapes["hidden_size"])
