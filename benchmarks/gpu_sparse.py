@@ -94,6 +94,11 @@ def runs() -> dict:
     r["tp2-fas-mtp-plain-nopg"] = ("dsv32-mtp", mtp + GRAPHS + PLAIN + nopg, True, {})
     r["tp2-fas-mtp-shard-nopg-sync"] = ("dsv32-mtp", mtp + GRAPHS + SHARD + nopg, True, {
         **verify, "CUDA_LAUNCH_BLOCKING": "1"})
+    # the drafter eager (pcp.eager_drafter), the target's graphs without
+    # full-graph attention (PIECEWISE) or captured for decode only
+    for mode, tag in (("PIECEWISE", "pw"), ("FULL_DECODE_ONLY", "fdo")):
+        r[f"tp2-fas-mtp-shard-{tag}"] = ("dsv32-mtp", mtp + ["--graph-mode", mode] + SHARD,
+                                         True, {})
     # vLLM's own DCP sparse path (no plugin): its top-k merge needs CuteDSL
     r["tp2-fms-vllmdcp"] = ("dsv32-h32", TP2 + ["--dcp", "2"] + BACKENDS["fms"] + GEN + GRAPHS
                             + PLAIN, True, {})
@@ -253,13 +258,17 @@ def compare(results, out_dir: str) -> dict:
         out["vllm-own-dcp-fms"] = {"ok": None, "rc": r.get("rc"), "error": _error(r),
                                    "capacity_tokens": r.get("capacity_tokens")}
     if "tp2-fas-mtp-shard" in results:  # the floor: the model without its MTP layer's
-        for mode, run in (("graphs", "tp2-fas-mtp-shard"), ("eager-debug", "tp2-fas-mtp-debug")):
+        for mode, run in (("graphs", "tp2-fas-mtp-shard"), ("eager-debug", "tp2-fas-mtp-debug"),
+                          ("graphs-piecewise", "tp2-fas-mtp-shard-pw"),
+                          ("graphs-full-decode-only", "tp2-fas-mtp-shard-fdo")):
+            if run not in results:
+                continue
             c = onegpu.pair(out, f"tp2-fas-mtp2-{mode}", results, run, "tp2-fas-mtp-plain",
                             2, 1.95)
             if c:
                 mtp_rows(c, results[run])
                 verdict(c, floors["fas"])
-                c["ok"] = c["ok"] and (mode == "graphs" or c["debug_invariants_hold"])
+                c["ok"] = c["ok"] and (mode.startswith("graphs") or c["debug_invariants_hold"])
                 c["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode")
                                       for v in ("tp2-fas-mtp-plain", run)}
             else:  # graphs: refused at startup since (row spec-sparse-graphs)

@@ -66,4 +66,19 @@ new = """        try:
 if old in s:
     open(p, "w").write(s.replace(old, new))
     print("kernel warmup: MiniMax-M3 MSA warmup made optional")
+# The MoE router's fp32-weight GEMM on Hopper (GLM-4.7-Flash's float32
+# gate) is a CuTe DSL kernel: without CuteDSL in the payload, take the
+# router's torch path instead of failing at model build
+p = "/root/site/vllm/model_executor/layers/fused_moe/router/gate_linear.py"
+s = open(p).read()
+old = """            and input_size % 8 == 0
+        )
+"""
+new = """            and input_size % 8 == 0
+            and __import__("importlib.util").util.find_spec("cutlass") is not None
+        )
+"""
+if old in s and new not in s:
+    open(p, "w").write(s.replace(old, new, 1))
+    print("router gate: the CuteDSL bf16x3 GEMM only where CuteDSL is installed")
 PY

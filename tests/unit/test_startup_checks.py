@@ -227,25 +227,49 @@ def test_row_sparse_graphs(dsv32_model, monkeypatch):
 
 
 def test_row_spec_sparse_graphs(dsv32_model, monkeypatch):
-    """MTP with a sparse model in CUDA graphs (its crash on the H200):
-    refused even where the shard-aware path admits graphs; eager admitted."""
+    """MTP with a sparse model in CUDA graphs on the shard-aware path (full
+    decode graphs gave wrong tokens on the H100, the drafter's crashed): a
+    FULL mode the user asks for is refused; left unset it becomes PIECEWISE;
+    eager and PIECEWISE stay as asked; the drafter is made eager by the
+    runner (``pcp.eager_drafter``): a stand-in speculator (the V2 runner's
+    needs a GPU) sees its graph manager made with mode NONE."""
+    from vllm.config.compilation import CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_cp_kv.integration.checks import check_engine_args
     from vllm_cp_kv.integration.options import CPKVOptions
+    from vllm_cp_kv.integration.pcp import eager_drafter
 
     checks = checks_module()
     monkeypatch.setattr(checks, "_on_gpu", lambda: True)
     monkeypatch.setattr(checks, "_before_034", lambda release: None)  # read as 0.34
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    args = EngineArgs(model=dsv32_model, tensor_parallel_size=2, enforce_eager=False,
-                      speculative_config=spec)
-    with pytest.raises(ValueError) as info:
-        check_engine_args(args, CPKVOptions(enable=True))
-    assert any(m in str(info.value) for m in DOC["spec-sparse-graphs"])
-    args = EngineArgs(model=dsv32_model, tensor_parallel_size=2, enforce_eager=True,
-                      speculative_config=spec)
-    check_engine_args(args, CPKVOptions(enable=True))  # eager: admitted
+
+    def args(eager=False, mode=None, speculative=spec):
+        cc = {"cudagraph_mode": mode} if mode else {}
+        return EngineArgs(model=dsv32_model, tensor_parallel_size=2, enforce_eager=eager,
+                          speculative_config=speculative, compilation_config=cc)
+
+    for mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
+        with pytest.raises(ValueError) as info:
+            check_engine_args(args(mode=mode), CPKVOptions(enable=True))
+        assert any(m in str(info.value) for m in DOC["spec-sparse-graphs"])
+    derived = args()
+    check_engine_args(derived, CPKVOptions(enable=True))
+    assert derived.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    for kept, want in ((args(mode="PIECEWISE"), CUDAGraphMode.PIECEWISE),
+                       (args(eager=True), None), (args(speculative=None), None)):
+        check_engine_args(kept, CPKVOptions(enable=True))
+        assert kept.compilation_config.cudagraph_mode == want
+
+    class Speculator:
+        def init_cudagraph_manager(self, mode):
+            self.mode = mode
+
+    drafter = Speculator()
+    eager_drafter(drafter)
+    drafter.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert drafter.mode == CUDAGraphMode.NONE
 
 
 def test_row_spec_pcp_graphs(tiny_dsv2, monkeypatch):
@@ -656,6 +680,28 @@ def test_row_arch_sarvam_mla():
 
 def test_row_arch_eagle():
     expect_family_row("arch-eagle")
+
+
+def test_refused_by_name_before_vllm_builds_its_model_config(tmp_path):
+    """A checkpoint whose model type this transformers does not know (vLLM
+    could not build its config and would say so without naming cp_kv) is
+    refused by its architecture's row first; an unverified one too, unless
+    the option, which leaves it to vLLM's own error (the control)."""
+    def checkpoint(arch, model_type):
+        d = tmp_path / arch
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(
+            {"model_type": model_type, "architectures": [arch]}))
+        return str(d)
+
+    asr = checkpoint("MingV3ASRForConditionalGeneration", "ming_v3_asr_unknown")
+    expect_row("arch-bailing-hybrid", asr)
+    pangu = checkpoint("PanguUltraMoEForCausalLM", "pangu_unknown")
+    expect_row("arch-unverified", pangu)
+    with pytest.raises(ValueError) as info:
+        config(pangu, additional_config={"cp_kv": {"enable": True,
+                                                   "allow_unverified_model": True}})
+    assert "cp_kv" not in str(info.value)  # past cp_kv's checks: vLLM's own error
 
 
 def test_row_arch_unverified(caplog):

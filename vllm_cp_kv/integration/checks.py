@@ -96,6 +96,10 @@ def derive_engine_args(args, options: CPKVOptions) -> None:
     if not _on_gpu():
         derive_torch_rope(args.compilation_config)
         derive_query_replication(args, pcp, options)
+    elif args.speculative_config and not args.enforce_eager:
+        cfg = _config_dict(args.model, getattr(args, "revision", None)) or {}
+        if cfg.get("index_topk") and sparse_shard_aware(options, pcp):
+            derive_sparse_spec_graphs(args.compilation_config)
 
 
 def _check_parallel(args, options: CPKVOptions) -> None:
@@ -166,6 +170,7 @@ def _check_layout_flags(args) -> None:
 def _check_model_args(args, options: CPKVOptions) -> None:
     """The model, its KV cache dtype, and what a sparse model refuses."""
     check_hisparse(args.attention_config)
+    _check_named_architectures(args.model, getattr(args, "revision", None), options)
     # Before vLLM's own DCP validation, which would reject a non-MLA model
     # with a message that does not mention cp_kv.
     model_config = args.create_model_config()
@@ -173,13 +178,46 @@ def _check_model_args(args, options: CPKVOptions) -> None:
     sparse = bool(getattr(model_config.hf_text_config, "index_topk", None))
     check_kv_cache_dtype(str(getattr(args, "kv_cache_dtype", None) or "auto"), sparse)
     if sparse and _on_gpu() and not args.enforce_eager:
-        check_sparse_graphs(options, args.prefill_context_parallel_size,
-                            bool(args.speculative_config))
+        check_sparse_graphs(options, args.prefill_context_parallel_size)
+        if args.speculative_config:
+            check_sparse_spec_graphs(args.compilation_config)
     if options.prefetch and sparse:
         raise CPKVConfigError(
             "cp_kv: prefetch is for dense MLA models; a sparse-attention model reads "
             "this step's tokens through its view (the indexer too), which the prefetch "
             "would read stale. Remove cp_kv.prefetch.")
+
+
+def _check_named_architectures(model: str, revision: str | None,
+                               options: CPKVOptions) -> None:
+    """The architectures the checkpoint's config.json names, judged by
+    ``models``' table before vLLM builds its model config: vLLM may fail to
+    build one for an architecture cp_kv refuses anyway (a model type this
+    transformers lacks, a module that does not import here), with an error
+    that does not say why cp_kv cannot run it. Names outside the table
+    (non-MLA models, new ones) and configs without a config.json are judged
+    on vLLM's model config by :func:`check_model`."""
+    from .models import refusal, status_of
+
+    cfg = _config_dict(model, revision)
+    if cfg is None:  # no readable config.json: check_model judges
+        return
+    allow = bool(options.allow_unverified_model)
+    for arch in cfg.get("architectures") or ():
+        reason = refusal(arch, allow) if status_of(arch) is not None else None
+        if reason is not None:
+            raise CPKVConfigError("cp_kv: " + reason)
+
+
+def _config_dict(model: str, revision: str | None) -> dict | None:
+    """The checkpoint's config.json as a dict (no config class resolved), or
+    None where there is none to read (mistral format, no access)."""
+    try:
+        from transformers import PretrainedConfig
+
+        return PretrainedConfig.get_config_dict(model, revision=revision)[0]
+    except Exception:  # noqa: BLE001 - judged on vLLM's model config instead
+        return None
 
 
 def _amx_mla_chosen(args) -> bool:
@@ -220,7 +258,7 @@ def derive_query_replication(args, pcp: int, options: CPKVOptions) -> None:
     args.dcp_q_replicate = True
 
 
-def check_sparse_graphs(options: CPKVOptions, pcp: int, speculative: bool) -> None:
+def check_sparse_graphs(options: CPKVOptions, pcp: int) -> None:
     """A sparse-attention model in CUDA graphs (GPU, no ``--enforce-eager``)."""
     if not sparse_shard_aware(options, pcp):
         # the materializing path: vLLM would run it PIECEWISE (the sharded
@@ -232,18 +270,50 @@ def check_sparse_graphs(options: CPKVOptions, pcp: int, speculative: bool) -> No
             "its decode reads a full view planned per batch) have not been verified; "
             "add --enforce-eager, or use vLLM 0.34 with TP and the default decode "
             "(the shard-aware sparse path, docs/sparse.md), or disable cp_kv.")
-    if speculative and os.environ.get("VLLM_CP_KV_VERIFY_SPARSE_MTP_GRAPHS") != "1":
-        # (the variable lifts this row for the GPU runs that diagnose it only)
-        # ran eager within the floor with the debug checks held; in CUDA
-        # graphs the sharded MTP run failed on the H200 with an illegal
-        # memory access, not yet diagnosed
-        # (benchmarks/results/h200x1-2026-12-04-sparse-shard-aware)
+
+
+# Measured on one H100 (2026-12-06, benchmarks/results/h100x1-2026-12-06-sparse-mtp):
+# MTP k=2 on the shard-aware sparse path with the target's decode batches in
+# full graphs (FULL_AND_PIECEWISE, FULL_DECODE_ONLY) gave wrong tokens (0/8
+# identical, one token repeated, no draft accepted) although every run
+# without speculative rows and the eager run hold; PIECEWISE (attention
+# between the graph pieces) matched the eager run. The drafter's own full
+# graphs hit an illegal memory access (pcp.eager_drafter keeps it eager).
+def check_sparse_spec_graphs(compilation_config) -> None:
+    """A speculative drafter with a sparse model on the shard-aware path:
+    only PIECEWISE graphs (derived where the mode is left unset)."""
+    name = _graph_mode_name(compilation_config)
+    if name is not None and name not in ("PIECEWISE", "NONE"):
         raise CPKVConfigError(
-            "cp_kv: speculative decoding with a sparse-attention (DeepSeek-V3.2) model "
-            "and sharded KV needs --enforce-eager: in CUDA graphs it failed on the H200 "
-            "(an illegal memory access, not yet diagnosed); eager it matches the "
-            "unsharded run (docs/sparse.md). Add --enforce-eager, or remove "
-            "--speculative-config.")
+            f"cp_kv: cudagraph_mode {name} with speculative decoding and a "
+            "sparse-attention (DeepSeek-V3.2) model captures the attention of the "
+            "verification rows, which gave wrong tokens with sharded KV; leave "
+            "cudagraph_mode unset (cp_kv then runs PIECEWISE graphs, the drafter eager), "
+            "set it to PIECEWISE, or add --enforce-eager.")
+
+
+def derive_sparse_spec_graphs(compilation_config) -> None:
+    """Unset cudagraph_mode, a sparse model, a speculative drafter, the
+    shard-aware path: PIECEWISE (see :func:`check_sparse_spec_graphs`)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    if _graph_mode_name(compilation_config) is not None:
+        return
+    if isinstance(compilation_config, dict):
+        compilation_config["cudagraph_mode"] = "PIECEWISE"
+    else:
+        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    logger.info("cp_kv: speculative decoding with a sparse-attention model and "
+                "sharded KV: CUDA graphs PIECEWISE, the drafter eager (docs/sparse.md)")
+
+
+def _graph_mode_name(compilation_config) -> str | None:
+    """The cudagraph_mode the user set, upper-case, or None."""
+    mode = getattr(compilation_config, "cudagraph_mode", None)
+    if isinstance(compilation_config, dict):
+        mode = compilation_config.get("cudagraph_mode", mode)
+    name = getattr(mode, "name", mode)
+    return None if name is None else str(name).upper()
 
 
 def sparse_shard_aware(options: CPKVOptions, pcp: int,
@@ -407,11 +477,8 @@ def check_cuda_graphs(compilation_config) -> None:
             "cp_kv: VLLM_CP_KV_DEBUG=1 checks each step on the host, which a replayed "
             "CUDA graph skips; add --enforce-eager for a debug run, or unset "
             "VLLM_CP_KV_DEBUG.")
-    mode = getattr(compilation_config, "cudagraph_mode", None)
-    if isinstance(compilation_config, dict):
-        mode = compilation_config.get("cudagraph_mode", mode)
-    name = getattr(mode, "name", mode)
-    if name is not None and str(name).upper() not in GRAPH_MODES + ("NONE",):
+    name = _graph_mode_name(compilation_config)
+    if name is not None and name not in GRAPH_MODES + ("NONE",):
         raise CPKVConfigError(
             f"cp_kv: cudagraph_mode {name} would capture prefill batches, whose "
             "full-view gather is planned per batch; use one of "

@@ -65,14 +65,18 @@ FAMILIES = (
                             "DeepseekV32MTPModel"),
            "sparse MLA (DSA: lightning indexer, top-k) on every layer", f"{MLA}; {INDEXER}",
            RUNS, shown_by="GPU benchmarks/results/h200x1-2026-12-04-sparse-shard-aware "
-                          "(GLM-5 row too; MTP eager)"),
+                          "(GLM-5 row too); MTP: h100x1-2026-12-06-sparse-mtp (PIECEWISE graphs, the drafter eager)"),
     Family("glm4-moe-lite", ("Glm4MoeLiteForCausalLM",),
            "dense MLA (GLM-4.7-Flash)", MLA, RUNS,
            shown_by="CPU: tests/vllm/test_models_e2e.py (TP=2 float32, tokens equal "
-                    "unsharded, debug checks, corrupted-block control); GPU not run yet"),
+                    "unsharded, debug checks, corrupted-block control); GPU: benchmarks/"
+                    "results/h100x1-2026-12-06-models (TP=2 graphs within the floor, "
+                    "1.98x, debug run)"),
     Family("axk1", ("AXK1ForCausalLM",), "dense MLA (A.X K1)", MLA, RUNS,
            shown_by="CPU: tests/vllm/test_models_e2e.py (TP=2 float32, tokens equal "
-                    "unsharded, debug checks); GPU not run yet"),
+                    "unsharded, debug checks); GPU: benchmarks/results/"
+                    "h100x1-2026-12-06-models (TP=2 graphs within the floor, 1.98x, "
+                    "debug run)"),
     Family("dense-mla", ("KimiVLForConditionalGeneration", "KimiK25ForConditionalGeneration",
                          "Glm4MoeLiteMTPModel", "MistralLarge3ForCausalLM", "PanguUltraMoEForCausalLM",
                          "OpenPanguMTPModel", "LongcatFlashForCausalLM",
