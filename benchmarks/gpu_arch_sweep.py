@@ -24,11 +24,11 @@ import json
 import os
 import sys
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
+from gpu_models import refusal_said  # noqa: E402
 from vllm_cp_kv.integration import models  # noqa: E402
 
 # architecture -> the model type of its released configs (None: no config
@@ -96,10 +96,8 @@ def start(path: str, allow: bool = False) -> str | None:
 
 
 def judged(arch: str, err: str | None) -> bool:
-    fam = models.ARCHITECTURES[arch]
-    reason = fam.why[:40] if fam.status == models.REFUSED else "has not run sharded"
-    return bool(err and err.startswith("CPKVConfigError: cp_kv: ") and arch in err
-                and reason in err)
+    """cp_kv's own error (not vLLM's), naming ``arch`` and its reason."""
+    return bool(err and err.startswith("CPKVConfigError: ") and refusal_said(err, arch))
 
 
 def sweep(root: str) -> dict:
@@ -140,17 +138,10 @@ def main() -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # cp_kv's patch of EngineArgs, as vllm serve loads it
-    try:
-        import vllm
-        version = vllm.__version__
-    except Exception:  # noqa: BLE001
-        version = None
-    try:
-        rows, ctl = sweep(root), controls(root)
-    except Exception:  # noqa: BLE001 - the sweep itself broke: say where
-        traceback.print_exc()
-        raise
-    res = {"vllm": version, "architectures": rows, "controls": ctl,
+    import vllm
+
+    rows, ctl = sweep(root), controls(root)
+    res = {"vllm": vllm.__version__, "architectures": rows, "controls": ctl,
            "ok": all(r["ok"] for r in rows.values()) and all(c["ok"] for c in ctl.values())}
     with open(os.path.join(out, "sweep.json"), "w") as f:
         json.dump(res, f, indent=1)

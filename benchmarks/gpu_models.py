@@ -61,12 +61,18 @@ def runs() -> dict:
     return r
 
 
+def refusal_said(text: str, arch: str) -> bool:
+    """``text`` holds cp_kv's refusal of ``arch``: its name and its family's
+    reason (refused) or "has not run sharded" (unverified)."""
+    fam = models.ARCHITECTURES[arch]
+    reason = fam.why[:40] if fam.status == models.REFUSED else "has not run sharded"
+    return f"cp_kv: architecture {arch}" in text and reason in text
+
+
 def refusal_check(res: dict, arch: str) -> dict:
     """The run ended at startup with the family's message naming ``arch``."""
     fam = models.ARCHITECTURES[arch]
-    log = res.get("log_tail") or ""
-    reason = fam.why[:40] if fam.status == models.REFUSED else "has not run sharded"
-    said = f"cp_kv: architecture {arch}" in log and reason in log
+    said = refusal_said(res.get("log_tail") or "", arch)
     return {"ok": res.get("rc") not in (0, None) and said, "rc": res.get("rc"),
             "row": fam.row, "message_found": said}
 

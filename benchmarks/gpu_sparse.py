@@ -81,21 +81,12 @@ def runs() -> dict:
     r["tp2-fas-mtp-plain"] = ("dsv32-mtp", mtp + GRAPHS + PLAIN, True, {})
     r["tp2-fas-mtp-shard"] = ("dsv32-mtp", mtp + GRAPHS + SHARD, True, {})
     r["tp2-fas-mtp-debug"] = ("dsv32-mtp", mtp + SHARD, True, DEBUG)
-    # the graphs failure (startup row spec-sparse-graphs) diagnosed: the row
-    # lifted for this run, every launch synchronous (the failing kernel named)
-    r["tp2-fas-mtp-shard-sync"] = ("dsv32-mtp", mtp + GRAPHS + SHARD, True, {
-        "VLLM_CP_KV_VERIFY_SPARSE_MTP_GRAPHS": "1", "CUDA_LAUNCH_BLOCKING": "1"})
-    # the next try (issue 49): the same run with no prefill graph captured
-    # (the drafter's prefill graph is where the replay failed; decode
-    # batches stay captured whole), eager-synchronous variant beside it
-    nopg = ["--prefill-graph-sizes", ""]
-    verify = {"VLLM_CP_KV_VERIFY_SPARSE_MTP_GRAPHS": "1"}
-    r["tp2-fas-mtp-shard-nopg"] = ("dsv32-mtp", mtp + GRAPHS + SHARD + nopg, True, verify)
-    r["tp2-fas-mtp-plain-nopg"] = ("dsv32-mtp", mtp + GRAPHS + PLAIN + nopg, True, {})
-    r["tp2-fas-mtp-shard-nopg-sync"] = ("dsv32-mtp", mtp + GRAPHS + SHARD + nopg, True, {
-        **verify, "CUDA_LAUNCH_BLOCKING": "1"})
-    # the drafter eager (pcp.eager_drafter), the target's graphs without
-    # full-graph attention (PIECEWISE) or captured for decode only
+    # the target's graph modes with the drafter eager (pcp.eager_drafter;
+    # the 2026-12-06 diagnosis): since then tp2-fas-mtp-shard runs PIECEWISE
+    # (derived: checks.derive_sparse_spec_graphs) and -fdo is refused at
+    # startup (row spec-sparse-graphs). The synchronous and no-prefill-graph
+    # runs of 2026-12-05/06 lifted a row that no longer exists (their
+    # commands and results: benchmarks/results/h100x1-2026-12-05-sparse-mtp)
     for mode, tag in (("PIECEWISE", "pw"), ("FULL_DECODE_ONLY", "fdo")):
         r[f"tp2-fas-mtp-shard-{tag}"] = ("dsv32-mtp", mtp + ["--graph-mode", mode] + SHARD,
                                          True, {})
@@ -124,9 +115,7 @@ GROUPS = {
     "sa-tp4": ["tp4-fas-plain", "tp4-fas-shard"],
     "sa-vllm": ["tp2-fms-vllmdcp"],
     "sa-mtp": ["tp2-fas-mtp-plain", "tp2-fas-mtp-shard", "tp2-fas-mtp-debug"],
-    "sa-mtp-nopg": ["tp2-fas-mtp-plain-nopg", "tp2-fas-mtp-shard-nopg",
-                    "tp2-fas-mtp-shard-nopg-sync"],
-    "sa-mtp-sync": ["tp2-fas-mtp-shard-sync"],
+    "sa-mtp-modes": ["tp2-fas-mtp-shard-pw", "tp2-fas-mtp-shard-fdo"],
 }
 GROUPS["all"] = [n for g in ("sa", "sa-dump", "sa-time", "sa-glm5", "sa-prefix", "sa-tp4")
                  for n in GROUPS[g]]
@@ -271,7 +260,7 @@ def compare(results, out_dir: str) -> dict:
                 c["ok"] = c["ok"] and (mode.startswith("graphs") or c["debug_invariants_hold"])
                 c["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode")
                                       for v in ("tp2-fas-mtp-plain", run)}
-            else:  # graphs: refused at startup since (row spec-sparse-graphs)
+            else:  # a FULL mode: refused at startup (row spec-sparse-graphs)
                 out[f"tp2-fas-mtp2-{mode}"]["error"] = _error(results.get(run) or {})
     if "tp2-glm5-shard" in results:
         c = onegpu.pair(out, "tp2-glm5-shard-graphs", results, "tp2-glm5-shard",

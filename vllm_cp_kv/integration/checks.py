@@ -5,7 +5,8 @@ Two stages, both run only when ``cp_kv.enable`` is set:
 * :func:`check_engine_args` runs on the user's ``EngineArgs`` before vLLM
   builds its config: :func:`validate_engine_args` refuses, changing
   nothing; :func:`derive_engine_args` then sets what sharding needs
-  (``decode_context_parallel_size``; on CPU, PyTorch's rope).
+  (``decode_context_parallel_size``; on CPU, PyTorch's rope; on GPU, a
+  sparse model's graph mode with a speculative drafter).
 * :func:`check_vllm_config` runs once the model config and the block size
   are known, and pins ``cp_kv_cache_interleave_size`` to the block size.
 
@@ -68,38 +69,40 @@ def check_engine_args(args, options: CPKVOptions) -> None:
     """The frontend stage (before VllmConfig): :func:`validate_engine_args`
     (raises, changes nothing), then, where the KV is sharded,
     :func:`derive_engine_args` (sets what sharding needs)."""
-    if validate_engine_args(args, options):
-        derive_engine_args(args, options)
+    model_config = validate_engine_args(args, options)
+    if model_config is not None:
+        derive_engine_args(args, options, model_config)
 
 
-def validate_engine_args(args, options: CPKVOptions) -> bool:
+def validate_engine_args(args, options: CPKVOptions):
     """Refuse what the plugin cannot run, with what to change; returns
-    whether the KV is sharded (``cp_kv.kv_sharding``)."""
+    vLLM's model config (built to judge the model) where the KV is sharded
+    (``cp_kv.kv_sharding``), else None."""
     check_vllm_version()
     if args.worker_cls not in ("auto", None):
         raise CPKVConfigError(
             f"cp_kv: a custom --worker-cls ({args.worker_cls}) cannot be combined "
             "with cp_kv, which installs its own worker; remove --worker-cls.")
     if not options.kv_sharding:
-        return False  # only the last-token gather: vLLM's own layout and checks
+        return None  # only the last-token gather: vLLM's own layout and checks
     _check_parallel(args, options)
     _check_layout_flags(args)
-    _check_model_args(args, options)
-    return True
+    return _check_model_args(args, options)
 
 
-def derive_engine_args(args, options: CPKVOptions) -> None:
+def derive_engine_args(args, options: CPKVOptions, model_config) -> None:
     """Set in place what sharding needs: DCP = the shard group; on CPU
-    PyTorch's rope and vLLM's DCP query replication."""
+    PyTorch's rope and vLLM's DCP query replication; on GPU, PIECEWISE
+    graphs for a sparse model with a speculative drafter (``model_config``:
+    the one :func:`validate_engine_args` judged)."""
     pcp = args.prefill_context_parallel_size
     args.decode_context_parallel_size = shard_group_size(args.tensor_parallel_size, pcp)
     if not _on_gpu():
         derive_torch_rope(args.compilation_config)
         derive_query_replication(args, pcp, options)
-    elif args.speculative_config and not args.enforce_eager:
-        cfg = _config_dict(args.model, getattr(args, "revision", None)) or {}
-        if cfg.get("index_topk") and sparse_shard_aware(options, pcp):
-            derive_sparse_spec_graphs(args.compilation_config)
+    elif (args.speculative_config and not args.enforce_eager and _sparse(model_config)
+          and sparse_shard_aware(options, pcp)):
+        derive_sparse_spec_graphs(args.compilation_config)
 
 
 def _check_parallel(args, options: CPKVOptions) -> None:
@@ -167,15 +170,16 @@ def _check_layout_flags(args) -> None:
             "Remove --cp-kv-cache-interleave-size (cp_kv sets it).")
 
 
-def _check_model_args(args, options: CPKVOptions) -> None:
-    """The model, its KV cache dtype, and what a sparse model refuses."""
+def _check_model_args(args, options: CPKVOptions):
+    """The model, its KV cache dtype, and what a sparse model refuses;
+    returns vLLM's model config."""
     check_hisparse(args.attention_config)
     _check_named_architectures(args.model, getattr(args, "revision", None), options)
     # Before vLLM's own DCP validation, which would reject a non-MLA model
     # with a message that does not mention cp_kv.
     model_config = args.create_model_config()
     check_model(model_config, options)
-    sparse = bool(getattr(model_config.hf_text_config, "index_topk", None))
+    sparse = _sparse(model_config)
     check_kv_cache_dtype(str(getattr(args, "kv_cache_dtype", None) or "auto"), sparse)
     if sparse and _on_gpu() and not args.enforce_eager:
         check_sparse_graphs(options, args.prefill_context_parallel_size)
@@ -186,6 +190,12 @@ def _check_model_args(args, options: CPKVOptions) -> None:
             "cp_kv: prefetch is for dense MLA models; a sparse-attention model reads "
             "this step's tokens through its view (the indexer too), which the prefetch "
             "would read stale. Remove cp_kv.prefetch.")
+    return model_config
+
+
+def _sparse(model_config) -> bool:
+    """A DeepSeek-V3.2-style sparse-attention model (an indexer top-k)."""
+    return bool(getattr(model_config.hf_text_config, "index_topk", None))
 
 
 def _check_named_architectures(model: str, revision: str | None,
@@ -199,25 +209,17 @@ def _check_named_architectures(model: str, revision: str | None,
     on vLLM's model config by :func:`check_model`."""
     from .models import refusal, status_of
 
-    cfg = _config_dict(model, revision)
-    if cfg is None:  # no readable config.json: check_model judges
+    try:
+        from transformers import PretrainedConfig
+
+        cfg = PretrainedConfig.get_config_dict(model, revision=revision)[0]
+    except Exception:  # noqa: BLE001 - no readable config.json: check_model judges
         return
     allow = bool(options.allow_unverified_model)
     for arch in cfg.get("architectures") or ():
         reason = refusal(arch, allow) if status_of(arch) is not None else None
         if reason is not None:
             raise CPKVConfigError("cp_kv: " + reason)
-
-
-def _config_dict(model: str, revision: str | None) -> dict | None:
-    """The checkpoint's config.json as a dict (no config class resolved), or
-    None where there is none to read (mistral format, no access)."""
-    try:
-        from transformers import PretrainedConfig
-
-        return PretrainedConfig.get_config_dict(model, revision=revision)[0]
-    except Exception:  # noqa: BLE001 - judged on vLLM's model config instead
-        return None
 
 
 def _amx_mla_chosen(args) -> bool:
@@ -539,8 +541,7 @@ def check_model(model_config, options: CPKVOptions | None = None) -> None:
             f"cp_kv: model {model_config.model!r} does not use MLA; cp_kv shards "
             "the MLA latent KV cache (DeepSeek-V2/V3 style). Disable cp_kv for "
             "this model.")
-    hf = model_config.hf_text_config
-    if getattr(hf, "index_topk", None):
+    if _sparse(model_config):
         if not set(archs) & set(SPARSE_ARCHITECTURES):
             raise CPKVConfigError(
                 f"cp_kv: sparse-attention architecture {archs} is not supported with "

@@ -164,20 +164,21 @@ class CPKVPCPManager(LastTokenPCPManager):
 
 def eager_drafter(speculator) -> None:
     """A sparse (DSA) model sharded with a speculative drafter: the drafter's
-    forwards run eager, the target's stay captured (vLLM's mode). Why: in
-    CUDA graphs the MTP drafter's full-graph replay (vLLM 0.34's speculator
-    graphs over its DCP sparse metadata, prefill graphs captured or not) hit
-    an illegal memory access on the H100 and H200, while the target's graphs
-    and the eager drafter hold (docs/sparse.md; vLLM's own DCP sparse path,
-    which needs CuteDSL, could not be run beside it). The one place the
-    plugin changes vLLM's speculator: its graph manager is made with mode
-    NONE, as under ``--enforce-eager``."""
+    forwards run eager (the target runs PIECEWISE graphs:
+    ``checks.derive_sparse_spec_graphs``). Why: the MTP drafter's full-graph
+    replay (vLLM 0.34's speculator graphs over its DCP sparse metadata,
+    prefill graphs captured or not) hit an illegal memory access on the H100
+    and H200; with the drafter eager, PIECEWISE matched the eager run
+    (docs/sparse.md; vLLM's own DCP sparse path, which needs CuteDSL, could
+    not be run beside it). The one place the plugin changes vLLM's
+    speculator: its graph manager is made with mode NONE, as under
+    ``--enforce-eager``."""
     from vllm.config.compilation import CUDAGraphMode
 
     init = speculator.init_cudagraph_manager
     speculator.init_cudagraph_manager = lambda mode: init(CUDAGraphMode.NONE)
-    logger.info("cp_kv: the speculative drafter of a sparse model runs eager, the "
-                "target in CUDA graphs (docs/sparse.md)")
+    logger.info("cp_kv: the speculative drafter of a sparse model runs eager "
+                "(docs/sparse.md)")
 
 
 def make_runner_cls():
