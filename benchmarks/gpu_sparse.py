@@ -24,7 +24,15 @@ bf16, ``fms`` FLASHMLA_SPARSE with ``fp8_ds_mla``):
   tokens of context, graphs: the sharded over unsharded ratio must stay flat
   (the harness's collectives cost the same at every context);
 * ``tp2-glm5-{plain,shard}``: the same model declared as GLM-5
-  (``GlmMoeDsaForCausalLM``).
+  (``GlmMoeDsaForCausalLM``);
+* ``sa-vllm``: vLLM's own DCP=2 sparse decode (``tp2-fms-vllmdcp``: no
+  plugin, FLASHMLA_SPARSE fp8_ds_mla, its CuteDSL top-k merge: stage the
+  add-on of ``scripts/gpu/build_cutedsl.sh``) beside cp_kv and unsharded,
+  and with MTP k=2 in vLLM's default full decode graphs;
+  ``sa-vllm-time``: the decode step of the three at 2K / 16K / 64K (each
+  alone: ``--parallel 1``);
+* ``sa-bytes``: eager runs counting the bytes each rank takes in per decode
+  step at the CUDA communicator (``--count-collectives``), at 2K / 16K / 64K.
 """
 
 from __future__ import annotations
@@ -91,8 +99,32 @@ def runs() -> dict:
         r[f"tp2-fas-mtp-shard-{tag}"] = ("dsv32-mtp", mtp + ["--graph-mode", mode] + SHARD,
                                          True, {})
     # vLLM's own DCP sparse path (no plugin): its top-k merge needs CuteDSL
-    r["tp2-fms-vllmdcp"] = ("dsv32-h32", TP2 + ["--dcp", "2"] + BACKENDS["fms"] + GEN + GRAPHS
-                            + PLAIN, True, {})
+    # (the add-on of scripts/gpu/build_cutedsl.sh); without vLLM's ShardQ,
+    # as the unsharded baseline
+    vdcp = TP2 + ["--dcp", "2"] + BACKENDS["fms"] + PLAIN + NO_SHARDQ["fms"]
+    r["tp2-fms-vllmdcp"] = ("dsv32-h32", vdcp + GEN + GRAPHS, True, {})
+    # decode step at 2K / 16K / 64K, FLASHMLA_SPARSE fp8_ds_mla: unsharded,
+    # vLLM's DCP, cp_kv (each alone on the GPU: --parallel 1)
+    fms_time = TP2 + BACKENDS["fms"] + TIMED + GRAPHS
+    r["tp2-fms-time-plain"] = ("dsv32-h32-64k", fms_time + PLAIN + NO_SHARDQ["fms"], True, {})
+    r["tp2-fms-time-shard"] = ("dsv32-h32-64k", fms_time + SHARD, True, {})
+    r["tp2-fms-time-vllmdcp"] = ("dsv32-h32-64k", vdcp + TIMED + GRAPHS, True, {})
+    # the bytes each rank takes in per decode step, counted at the CUDA
+    # communicator's collectives (eager: a graph's replay runs no Python)
+    counted = TP2 + BACKENDS["fas"] + TIMED + ["--count-collectives", "--time-decode", "8"]
+    for v, extra in (("plain", PLAIN), ("shard", ["--shard"])):
+        r[f"tp2-fas-bytes-{v}"] = ("dsv32-64k", counted + extra, True, {})
+    # MTP k=2 with vLLM's own DCP (its default full decode graphs) against
+    # unsharded MTP: whether verification rows in full graphs hold there
+    vmtp = ["--spec", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+    r["tp2-fms-mtp-plain"] = ("dsv32-h32-mtp", TP2 + BACKENDS["fms"] + GEN + vmtp + GRAPHS
+                              + PLAIN + NO_SHARDQ["fms"], True, {})
+    r["tp2-fms-mtp-vllmdcp"] = ("dsv32-h32-mtp", vdcp + GEN + vmtp + GRAPHS, True, {})
+    # cp_kv with FLASHMLA_SPARSE and MTP in full decode graphs (the row
+    # spec-sparse-graphs lifted for the try; the drafter eager as always)
+    r["tp2-fms-mtp-shard-full"] = ("dsv32-h32-mtp", TP2 + BACKENDS["fms"] + GEN + vmtp + SHARD
+                                   + ["--graph-mode", "FULL_AND_PIECEWISE",
+                                      "--lift-spec-sparse-graphs"], True, {})
     fas = TP2 + BACKENDS["fas"] + GEN + PREFIX + GRAPHS
     r["tp2-fas-prefix-plain"] = ("dsv32", fas + PLAIN + ["--waves", "2"], True, {})
     r["tp2-fas-prefix-shard"] = ("dsv32", fas + [
@@ -113,7 +145,10 @@ GROUPS = {
     "sa-glm5": ["tp2-glm5-plain", "tp2-glm5-shard"],
     "sa-prefix": ["tp2-fas-prefix-plain", "tp2-fas-prefix-shard"],
     "sa-tp4": ["tp4-fas-plain", "tp4-fas-shard"],
-    "sa-vllm": ["tp2-fms-vllmdcp"],
+    "sa-vllm": ["tp1-fms-plain", "tp2-fms-plain", "tp2-fms-shard", "tp2-fms-vllmdcp",
+                "tp2-fms-mtp-plain", "tp2-fms-mtp-vllmdcp"],
+    "sa-vllm-time": ["tp2-fms-time-plain", "tp2-fms-time-shard", "tp2-fms-time-vllmdcp"],
+    "sa-bytes": ["tp2-fas-bytes-plain", "tp2-fas-bytes-shard"],
     "sa-mtp": ["tp2-fas-mtp-plain", "tp2-fas-mtp-shard", "tp2-fas-mtp-debug"],
     "sa-mtp-modes": ["tp2-fas-mtp-shard-pw", "tp2-fas-mtp-shard-fdo"],
 }
@@ -132,6 +167,11 @@ def model_dir(kind: str) -> str:
         return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), mtp=True)
     if kind == "dsv32-h32":
         return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), heads=32)
+    if kind == "dsv32-h32-64k":
+        return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), heads=32,
+                                      max_positions=70000)
+    if kind == "dsv32-h32-mtp":
+        return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), heads=32, mtp=True)
     return checks.model_dir(kind)
 
 
@@ -204,6 +244,77 @@ def time_check(results) -> dict:
             "sharded_over_unsharded": ratio, "bytes_per_step": step_bytes()}
 
 
+def vllm_dcp_checks(results, floor: dict | None) -> dict:
+    """vLLM's own DCP sparse decode (FLASHMLA_SPARSE, fp8_ds_mla, its
+    CuteDSL top-k merge) and cp_kv's against unsharded TP=2: tokens within
+    the floor, capacity; with MTP k=2 in vLLM's default full decode graphs,
+    vLLM's DCP against unsharded MTP (cp_kv runs PIECEWISE there)."""
+    out = {}
+    for key, run, base in (("vllm-own-dcp-fms", "tp2-fms-vllmdcp", "tp2-fms-plain"),
+                           ("vllm-own-dcp-fms-mtp2", "tp2-fms-mtp-vllmdcp",
+                            "tp2-fms-mtp-plain"),
+                           ("cp-kv-fms-mtp2-full-graphs", "tp2-fms-mtp-shard-full",
+                            "tp2-fms-mtp-plain")):
+        if run not in results:
+            continue
+        c = onegpu.pair(out, key, results, run, base, 2, 1.95)
+        if c is None:
+            out[key]["error"] = _error(results.get(run) or {})
+            continue
+        c["floor_tp2_vs_tp1_unsharded"] = floor
+        c["within_noise_floor"] = onegpu.within_floor(c["agreement"], floor)
+        c["ok"] = c["within_noise_floor"] and c["capacity_ratio"] >= 1.95
+        if "mtp" in run:
+            c["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode")
+                                  for v in (base, run)}
+    s, v = (onegpu._ok(results, n) for n in ("tp2-fms-shard", "tp2-fms-vllmdcp"))
+    if s and v:
+        out["cp-kv-vs-vllm-dcp-fms"] = {
+            "ok": None, "agreement": onegpu.agreement(s["tokens"], s["logprobs"], v["tokens"],
+                                                      v["logprobs"]),
+            "capacity_tokens": {"cp_kv": s["capacity_tokens"],
+                                "vllm_dcp": v["capacity_tokens"]}}
+    return out
+
+
+def time_side_by_side(results) -> dict:
+    """Decode step (8 requests) at each context, FLASHMLA_SPARSE fp8_ds_mla:
+    unsharded TP=2, vLLM's DCP=2 and cp_kv, each run alone; the ratios to
+    unsharded and cp_kv over vLLM's DCP."""
+    runs = {v: (onegpu._ok(results, f"tp2-fms-time-{v}") or {}).get("decode_steps")
+            for v in ("plain", "vllmdcp", "shard")}
+    ms = {v: {str(x["context"]): round(1000 * x["seconds_per_step"], 2) for x in t}
+          for v, t in runs.items() if t}
+    out = {"ok": None, "ms_per_step": ms,
+           "rc": {v: (results.get(f"tp2-fms-time-{v}") or {}).get("rc") for v in runs}}
+    if "plain" in ms:
+        out["over_unsharded"] = {v: {c: round(ms[v][c] / ms["plain"][c], 3) for c in ms[v]}
+                                 for v in ms if v != "plain"}
+    if "shard" in ms and "vllmdcp" in ms:
+        out["cp_kv_over_vllm_dcp"] = {c: round(ms["shard"][c] / ms["vllmdcp"][c], 3)
+                                      for c in ms["shard"]}
+    return out
+
+
+def bytes_check(results) -> dict:
+    """Bytes each rank took in per pure decode step of the timed batch,
+    counted at the CUDA communicator (eager runs), per context: the sharded
+    run's must not depend on the context (within 5% of the 2K figure)."""
+    out = {"by_shapes": step_bytes()}
+    for v in ("plain", "shard"):
+        r = onegpu._ok(results, f"tp2-fas-bytes-{v}")
+        if not r:
+            return {"ok": False, "why": f"tp2-fas-bytes-{v} is missing or failed", **out}
+        out[v] = {str(x["context"]): x.get("bytes_per_decode_step") for x in r["decode_steps"]}
+    per_ctx = {c: max(b for rank in ranks for b in rank)
+               for c, ranks in out["shard"].items() if all(ranks)}
+    base = per_ctx.get(str(CONTEXTS[0]))
+    out["shard_max_per_context"] = per_ctx
+    out["ok"] = bool(base) and len(per_ctx) == len(CONTEXTS) and all(
+        abs(b - base) <= 0.05 * base for b in per_ctx.values())
+    return out
+
+
 def step_bytes(rows: int = 8, layers: int = 2, heads: int = 64, k: int = 512,
                n: int = 2) -> dict:
     """What one sharded decode step receives per rank, from the shapes (a
@@ -242,10 +353,13 @@ def compare(results, out_dir: str) -> dict:
         out["prefix-tp2-fas"] = prefix_check(results)
     if "tp2-fas-time-plain" in results:
         out["decode-step-vs-context"] = time_check(results)
-    if "tp2-fms-vllmdcp" in results:  # informational: what vLLM's own DCP does here
-        r = results["tp2-fms-vllmdcp"]
-        out["vllm-own-dcp-fms"] = {"ok": None, "rc": r.get("rc"), "error": _error(r),
-                                   "capacity_tokens": r.get("capacity_tokens")}
+    if {"tp2-fms-vllmdcp", "tp2-fms-mtp-vllmdcp", "tp2-fms-mtp-shard-full"} & set(results):
+        # vLLM's own DCP (CuteDSL) beside cp_kv
+        out.update(vllm_dcp_checks(results, floors["fms"]))
+    if "tp2-fms-time-plain" in results:
+        out["decode-step-vs-vllm-dcp"] = time_side_by_side(results)
+    if "tp2-fas-bytes-shard" in results:
+        out["bytes-per-decode-step"] = bytes_check(results)
     if "tp2-fas-mtp-shard" in results:  # the floor: the model without its MTP layer's
         for mode, run in (("graphs", "tp2-fas-mtp-shard"), ("eager-debug", "tp2-fas-mtp-debug"),
                           ("graphs-piecewise", "tp2-fas-mtp-shard-pw"),
@@ -294,8 +408,26 @@ def verdict(c: dict, floor: dict | None, capacity: float = 1.95) -> None:
                and c["within_noise_floor"])
 
 
+def plot_vllm_dcp(plt, out_dir: str, t: dict) -> None:
+    """cp_kv beside vLLM's own DCP and unsharded: decode step per context."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    labels = {"plain": "unsharded TP=2", "vllmdcp": "vLLM DCP=2 (CuteDSL merge)",
+              "shard": "cp_kv TP=2"}
+    for v, ms in t["ms_per_step"].items():
+        ctx = [int(c) for c in ms]
+        ax.plot(ctx, list(ms.values()), "o-", label=labels[v])
+    ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode step (ms)", ylim=(0, None),
+           title="FLASHMLA_SPARSE fp8_ds_mla, 8 requests, graphs")
+    ax.set_xticks(ctx, [f"{c // 1000}K" for c in ctx])
+    ax.minorticks_off()
+    ax.legend()
+    save_figure(fig, os.path.join(out_dir, "sparse_vllm_dcp.png"))
+
+
 def plot(out_dir: str, cks: dict) -> None:
     plt = pyplot(optional=True)
+    if plt is not None and "ms_per_step" in (cks.get("decode-step-vs-vllm-dcp") or {}):
+        plot_vllm_dcp(plt, out_dir, cks["decode-step-vs-vllm-dcp"])
     t = cks.get("decode-step-vs-context") or {}
     if plt is None or "ms_per_step" not in t:
         return

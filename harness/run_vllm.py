@@ -108,29 +108,42 @@ def _count_collectives(worker):
     takes in through its groups' collectives: the TP group's (and the shard
     group's, where another) communicator, wrapped where every CPU
     collective of vLLM and of the plugin passes (``dist_module``: vLLM's
-    shared-memory or torch.distributed operations). Independent of the
+    shared-memory or torch.distributed operations); on GPU the CUDA
+    communicator's all-reduce, all-gather and reduce-scatter, which vLLM's
+    group collectives call in eager mode. Independent of the
     plugin's own counters; each step is recorded with whether it was a pure
     decode step (one scheduled token per request) and its request count."""
     from vllm.distributed import parallel_state as ps
 
     state = worker.__dict__.setdefault("cp_kv_collectives", {"now": 0, "steps": []})
     wrapped = set()
+    def counted(fn, size_of):
+        def run(*args, **kwargs):
+            state["now"] += size_of(*args, **kwargs)
+            return fn(*args, **kwargs)
+        return run
+
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     for get in (ps.get_tp_group, ps.get_dcp_group):
         group = get()
         comm = group.device_communicator
+        others, world = group.world_size - 1, group.world_size
         module = getattr(comm, "dist_module", None)
-        if module is None or id(module) in wrapped:
+        if module is None:  # GPU: the CUDA communicator's own methods, which
+            # every collective of vLLM's groups calls in eager mode (a CUDA
+            # graph's replay bypasses Python: count with enforce_eager)
+            # (all_gatherv / reduce_scatterv serve DP and EP: not counted)
+            if comm is None or id(comm) in wrapped:
+                continue
+            wrapped.add(id(comm))
+            comm.all_reduce = counted(comm.all_reduce, lambda t, *a, **k: others * nbytes(t))
+            comm.all_gather = counted(comm.all_gather, lambda t, *a, **k: others * nbytes(t))
+            comm.reduce_scatter = counted(comm.reduce_scatter,
+                                          lambda t, *a, **k: others * nbytes(t) // world)
+            continue
+        if id(module) in wrapped:
             continue
         wrapped.add(id(module))
-        others = group.world_size - 1
-
-        def counted(fn, size_of):
-            def run(*args, **kwargs):
-                state["now"] += size_of(*args, **kwargs)
-                return fn(*args, **kwargs)
-            return run
-
-        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
         module.all_reduce = counted(module.all_reduce, lambda t, **k: others * nbytes(t))
         module.all_gather_into_tensor = counted(
             module.all_gather_into_tensor, lambda out, inp, **k: nbytes(out) - nbytes(inp))
@@ -480,8 +493,16 @@ def run(a) -> dict:
         contexts = [int(c) for c in a.time_contexts.split(",")]
         if len(contexts) > 1:  # a warm-up timing first (new shapes), dropped
             time_decode(llm, a.time_decode, vocab, context=contexts[0])
-        res["decode_steps"] = [time_decode(llm, a.time_decode, vocab, context=c)
-                               for c in contexts]
+        res["decode_steps"] = []
+        for c in contexts:
+            if a.count_collectives:
+                llm.collective_rpc(_collective_steps, kwargs={"reset": True})
+            res["decode_steps"].append(time_decode(llm, a.time_decode, vocab, context=c))
+            if a.count_collectives:  # per rank: the bytes of each pure decode step
+                # of the timed batch (8 requests), distinct values
+                res["decode_steps"][-1]["bytes_per_decode_step"] = [
+                    sorted({b for b, n, pure in steps if pure and n == 8})
+                    for steps in llm.collective_rpc(_collective_steps, kwargs={"reset": True})]
         res["decode_step"] = res["decode_steps"][0]
     return res
 
@@ -665,13 +686,22 @@ def main() -> None:
                     help="vLLM 0.34: token counts of the prefill CUDA graphs (the MTP "
                          "drafter's prefill too); '' captures none")
     ap.add_argument("--count-collectives", action="store_true",
-                    help="bytes through each worker's collectives, per step (CPU)")
+                    help="bytes through each worker's collectives, per step (CPU; GPU "
+                         "eager only: a CUDA graph's replay runs no Python)")
     ap.add_argument("--time-decode", type=int, default=0,
                     help="after the run: seconds per decode step over this many steps")
     ap.add_argument("--time-contexts", default="2000",
                     help="--time-decode: comma-separated contexts, one timing each")
     ap.add_argument("--dcp", type=int, default=1, help="vLLM's own DCP (no plugin)")
+    ap.add_argument("--lift-spec-sparse-graphs", action="store_true",
+                    help="verification aid (not a serving option): skip the startup row "
+                         "spec-sparse-graphs, to try a sparse backend with a drafter in "
+                         "full decode graphs")
     a = ap.parse_args()
+    if a.lift_spec_sparse_graphs:  # the engine's checks run in this process
+        from vllm_cp_kv.integration import checks
+
+        checks.check_sparse_spec_graphs = lambda compilation_config: None
     if a.series:
         a.waves = 3 * len(a.token_prompts.split(","))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -12,11 +12,18 @@ if [ ! -d /root/site/vllm ]; then
   for d in "$VS"/nvidia/*/; do n=$(basename "$d"); [ -e /root/site/nvidia/$n ] || ln -s "${d%/}" /root/site/nvidia/$n; done
   rm -rf "$VS"/torchaudio "$VS"/torchaudio-*.dist-info
 fi
+# The CuteDSL add-on (scripts/gpu/build_cutedsl.sh), where staged into
+# /root/cstage: vLLM's own DCP sparse top-k merge and CuteDSL kernels
+if [ -e /root/cstage/c.00 ] && [ ! -d /root/site-cutedsl ]; then
+  cat /root/cstage/c.* | xz -d -T0 | tar -x -C /root && echo "CuteDSL add-on unpacked"
+fi
+CUTEDSL=""
+[ -d /root/site-cutedsl ] && CUTEDSL=/root/site-cutedsl:/root/site-cutedsl/nvidia_cutlass_dsl/dsl_packages:
 # vLLM finds plugins through entry points: a dist-info next to the checkout
 mkdir -p /root/cpkv/vllm_cp_kv-0.1.0.dist-info
 printf 'Metadata-Version: 2.1\nName: vllm_cp_kv\nVersion: 0.1.0\n' > /root/cpkv/vllm_cp_kv-0.1.0.dist-info/METADATA
 printf '[vllm.general_plugins]\ncp_kv = vllm_cp_kv:register\n' > /root/cpkv/vllm_cp_kv-0.1.0.dist-info/entry_points.txt
-export PYTHONPATH=/root/site:/root/cpkv:$ROOT PYTHONUNBUFFERED=1
+export PYTHONPATH=/root/site:$CUTEDSL/root/cpkv:$ROOT PYTHONUNBUFFERED=1
 # NVLink multicast off (platform notes); no flashinfer in the payload
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
