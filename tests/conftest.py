@@ -21,6 +21,9 @@ CPU_ENV = {
 }
 
 
+# harness/run_vllm.py _fork_workers: the runs' workers forked from the
+# driver, which imported vLLM already, instead of spawned (a test-time saving)
+FORK_WORKERS = {"CP_KV_TEST_FORK_WORKERS": "1", "OMP_NUM_THREADS": "1"}
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
@@ -123,7 +126,9 @@ class ForkServer:
     from a process that imported vLLM once (about 10 s saved per run)."""
 
     def __init__(self):
-        self.env = {**os.environ, **CPU_ENV}
+        # OMP_NUM_THREADS=1 from the start: libgomp reads it when torch loads,
+        # and the runs' forked workers inherit the pool (FORK_WORKERS)
+        self.env = {**os.environ, **CPU_ENV, **FORK_WORKERS}
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "harness", "forkserver.py")],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env,
@@ -185,7 +190,7 @@ def run_generate(model, out_dir, name, *args, env=None, timeout=600):
     return its JSON."""
     out = os.path.join(out_dir, f"{name}.json")
     log = os.path.join(out_dir, f"{name}.log")
-    full_env = {**os.environ, **CPU_ENV, **(env or {})}
+    full_env = {**os.environ, **CPU_ENV, **FORK_WORKERS, **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset
     argv = [model, out, *args]
     server = fork_server()
