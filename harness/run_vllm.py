@@ -117,6 +117,7 @@ def _count_collectives(worker):
 
     state = worker.__dict__.setdefault("cp_kv_collectives", {"now": 0, "steps": []})
     wrapped = set()
+
     def counted(fn, size_of):
         def run(*args, **kwargs):
             state["now"] += size_of(*args, **kwargs)
@@ -497,11 +498,12 @@ def run(a) -> dict:
         for c in contexts:
             if a.count_collectives:
                 llm.collective_rpc(_collective_steps, kwargs={"reset": True})
-            res["decode_steps"].append(time_decode(llm, a.time_decode, vocab, context=c))
+            step = time_decode(llm, a.time_decode, vocab, context=c)
+            res["decode_steps"].append(step)
             if a.count_collectives:  # per rank: the bytes of each pure decode step
-                # of the timed batch (8 requests), distinct values
-                res["decode_steps"][-1]["bytes_per_decode_step"] = [
-                    sorted({b for b, n, pure in steps if pure and n == 8})
+                # of the timed batch, distinct values
+                step["bytes_per_decode_step"] = [
+                    sorted({b for b, n, pure in steps if pure and n == step["batch"]})
                     for steps in llm.collective_rpc(_collective_steps, kwargs={"reset": True})]
         res["decode_step"] = res["decode_steps"][0]
     return res
