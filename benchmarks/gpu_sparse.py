@@ -42,6 +42,8 @@ import os
 import sys
 
 import gpu_onegpu as onegpu
+import onegpu_checks
+import onegpu_runs
 import gpu_vllm_checks as checks
 from common import pyplot, result_dir, save_figure, write_json
 from vllm_cp_kv.tools import tiny_model
@@ -60,6 +62,7 @@ NO_SHARDQ = {"fms": ["--attention-config", '{"sparse_mla_shard_q": false}']}
 PREFIX = ["--suffix-len", "24"]
 GEN = ["--prompt-repeat", "3", "--max-model-len", "4096"]
 PLAIN, SHARD = ["--no-plugin"], onegpu.SHARD
+MTP2 = onegpu_runs.mtp(2)  # DeepSeek-V3.2 ships an MTP layer: verification rows of 3
 GRAPHS, DEBUG = onegpu.GRAPHS, onegpu.DEBUG
 CONTEXTS = (2000, 16000, 64000)
 TIMED = ["--max-model-len", "66000", "--num-prompts", "1", "--max-tokens", "4",
@@ -84,17 +87,20 @@ def runs() -> dict:
         r[f"tp4-fas-{v}"] = ("dsv32", ["--tp", "4"] + BACKENDS["fas"] + GEN + GRAPHS + extra,
                              True, {})
     # MTP k=2 (DeepSeek-V3.2 ships an MTP layer): verification rows of 3 tokens
-    mtp = TP2 + BACKENDS["fas"] + GEN + ["--spec", json.dumps(
-        {"method": "mtp", "num_speculative_tokens": 2})]
+    mtp = TP2 + BACKENDS["fas"] + GEN + MTP2
     r["tp2-fas-mtp-plain"] = ("dsv32-mtp", mtp + GRAPHS + PLAIN, True, {})
+    # the MTP model's own floor: unsharded MTP at TP=1 against TP=2 (both
+    # backends; the floor of the model without its MTP layer is not its)
+    for k in ("fas", "fms"):
+        r[f"tp1-{k}-mtp-plain"] = (MODEL[k] + "-mtp", TP1 + BACKENDS[k] + GEN + MTP2 + GRAPHS
+                                   + PLAIN, False, {})
     r["tp2-fas-mtp-shard"] = ("dsv32-mtp", mtp + GRAPHS + SHARD, True, {})
     r["tp2-fas-mtp-debug"] = ("dsv32-mtp", mtp + SHARD, True, DEBUG)
-    # the target's graph modes with the drafter eager (pcp.eager_drafter;
-    # the 2026-12-06 diagnosis): since then tp2-fas-mtp-shard runs PIECEWISE
-    # (derived: checks.derive_sparse_spec_graphs) and -fdo is refused at
-    # startup (row spec-sparse-graphs). The synchronous and no-prefill-graph
-    # runs of 2026-12-05/06 lifted a row that no longer exists (their
-    # commands and results: benchmarks/results/h100x1-2026-12-05-sparse-mtp)
+    # the target's other graph modes. Until sparse_dcp.SpecRowsAsDecode the
+    # full modes gave wrong tokens (the row spec-sparse-graphs refused them)
+    # and the drafter's full graphs an illegal memory access (it ran eager);
+    # the earlier runs: benchmarks/results/h100x1-2026-12-05-sparse-mtp,
+    # h100x1-2026-12-06-sparse-mtp, the fix's: h100x1-2026-12-06-sparse-mtp-graphs
     for mode, tag in (("PIECEWISE", "pw"), ("FULL_DECODE_ONLY", "fdo")):
         r[f"tp2-fas-mtp-shard-{tag}"] = ("dsv32-mtp", mtp + ["--graph-mode", mode] + SHARD,
                                          True, {})
@@ -116,15 +122,24 @@ def runs() -> dict:
         r[f"tp2-fas-bytes-{v}"] = ("dsv32-64k", counted + extra, True, {})
     # MTP k=2 with vLLM's own DCP (its default full decode graphs) against
     # unsharded MTP: whether verification rows in full graphs hold there
-    vmtp = ["--spec", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
-    r["tp2-fms-mtp-plain"] = ("dsv32-h32-mtp", TP2 + BACKENDS["fms"] + GEN + vmtp + GRAPHS
+    r["tp2-fms-mtp-plain"] = ("dsv32-h32-mtp", TP2 + BACKENDS["fms"] + GEN + MTP2 + GRAPHS
                               + PLAIN + NO_SHARDQ["fms"], True, {})
-    r["tp2-fms-mtp-vllmdcp"] = ("dsv32-h32-mtp", vdcp + GEN + vmtp + GRAPHS, True, {})
-    # cp_kv with FLASHMLA_SPARSE and MTP in full decode graphs (the row
-    # spec-sparse-graphs lifted for the try; the drafter eager as always)
-    r["tp2-fms-mtp-shard-full"] = ("dsv32-h32-mtp", TP2 + BACKENDS["fms"] + GEN + vmtp + SHARD
-                                   + ["--graph-mode", "FULL_AND_PIECEWISE",
-                                      "--lift-spec-sparse-graphs"], True, {})
+    r["tp2-fms-mtp-vllmdcp"] = ("dsv32-h32-mtp", vdcp + GEN + MTP2 + GRAPHS, True, {})
+    # cp_kv with FLASHMLA_SPARSE and MTP in vLLM's default mode (until
+    # SpecRowsAsDecode: tp2-fms-mtp-shard-full, the row spec-sparse-graphs
+    # lifted, wrong; benchmarks/results/h100x1-2026-12-06-sparse-vllm-dcp)
+    r["tp2-fms-mtp-shard"] = ("dsv32-h32-mtp", TP2 + BACKENDS["fms"] + GEN + MTP2 + SHARD
+                              + GRAPHS, True, {})
+    r["tp2-fms-mtp-debug"] = ("dsv32-h32-mtp", TP2 + BACKENDS["fms"] + GEN + MTP2 + SHARD,
+                              True, DEBUG)
+    # P/D with the sparse model on vLLM 0.34 (NIXL over loopback): a TP=2
+    # prefill sends its owned latent and indexer blocks into an unsharded
+    # TP=1 decode and into a sharded TP=2 decode, against the unsharded
+    # single instance and its floor (pd_offline --floor)
+    pd = onegpu_runs.PREFILL_TP2 + BACKENDS["fas"] + GRAPHS + ["--floor"]
+    r["pd-sa-tp2-nixl"] = ("pd:dsv32", pd + ["--port", "5900"], True, {})
+    r["pd-sa-tp2-shard2-nixl"] = ("pd:dsv32", pd + onegpu_runs.INTO_TP2_SHARD
+                                  + ["--port", "5920"], True, {})
     fas = TP2 + BACKENDS["fas"] + GEN + PREFIX + GRAPHS
     r["tp2-fas-prefix-plain"] = ("dsv32", fas + PLAIN + ["--waves", "2"], True, {})
     r["tp2-fas-prefix-shard"] = ("dsv32", fas + [
@@ -151,6 +166,14 @@ GROUPS = {
     "sa-bytes": ["tp2-fas-bytes-plain", "tp2-fas-bytes-shard"],
     "sa-mtp": ["tp2-fas-mtp-plain", "tp2-fas-mtp-shard", "tp2-fas-mtp-debug"],
     "sa-mtp-modes": ["tp2-fas-mtp-shard-pw", "tp2-fas-mtp-shard-fdo"],
+    # MTP k=2 in vLLM's default mode on both backends, with their floors
+    "sa-mtp-graphs": ["tp1-fas-plain", "tp2-fas-plain", "tp2-fas-mtp-plain",
+                      "tp2-fas-mtp-shard", "tp2-fas-mtp-debug", "tp2-fas-mtp-shard-fdo",
+                      "tp1-fms-plain", "tp2-fms-plain", "tp2-fms-mtp-plain",
+                      "tp2-fms-mtp-shard", "tp2-fms-mtp-debug", "tp1-fas-mtp-plain",
+                      "tp1-fms-mtp-plain"],
+    "sa-pd": ["pd-sa-tp2-nixl", "pd-sa-tp2-shard2-nixl"],
+    "sa-mtp-floor": ["tp1-fas-mtp-plain", "tp1-fms-mtp-plain"],
 }
 GROUPS["all"] = [n for g in ("sa", "sa-dump", "sa-time", "sa-glm5", "sa-prefix", "sa-tp4")
                  for n in GROUPS[g]]
@@ -248,16 +271,20 @@ def ms_per_step(decode_steps: list) -> dict:
     return {str(x["context"]): round(1000 * x["seconds_per_step"], 2) for x in decode_steps}
 
 
-def vllm_dcp_checks(results, floor: dict | None) -> dict:
+def vllm_dcp_checks(results, floor: dict | None, mtp_floor: dict | None) -> dict:
     """vLLM's own DCP sparse decode (FLASHMLA_SPARSE, fp8_ds_mla, its
     CuteDSL top-k merge) and cp_kv's against unsharded TP=2: tokens within
     the floor, capacity; with MTP k=2 in vLLM's default full decode graphs,
-    vLLM's DCP against unsharded MTP (cp_kv runs PIECEWISE there)."""
+    vLLM's DCP and cp_kv against unsharded MTP."""
     out = {}
     for key, run, base in (("vllm-own-dcp-fms", "tp2-fms-vllmdcp", "tp2-fms-plain"),
                            ("vllm-own-dcp-fms-mtp2", "tp2-fms-mtp-vllmdcp",
                             "tp2-fms-mtp-plain"),
                            ("cp-kv-fms-mtp2-full-graphs", "tp2-fms-mtp-shard-full",
+                            "tp2-fms-mtp-plain"),  # the 2026-12-06 try, before the fix
+                           ("cp-kv-fms-mtp2-graphs", "tp2-fms-mtp-shard",
+                            "tp2-fms-mtp-plain"),
+                           ("cp-kv-fms-mtp2-eager-debug", "tp2-fms-mtp-debug",
                             "tp2-fms-mtp-plain")):
         if run not in results:
             continue
@@ -265,10 +292,14 @@ def vllm_dcp_checks(results, floor: dict | None) -> dict:
         if c is None:
             out[key]["error"] = _error(results.get(run) or {})
             continue
-        if "shard" in run:  # cp_kv's poisoned caches: drafts are written past the tokens
-            mtp_rows(c, results[run])
-        c["floor_tp2_vs_tp1_unsharded"] = floor
-        verdict(c, floor)
+        if "mtp" in run and "vllmdcp" not in run:  # cp_kv's poisoned caches: drafts
+            mtp_rows(c, results[run])               # are written past the tokens kept
+        c["floor_tp2_vs_tp1_unsharded"] = mtp_floor if "mtp" in run else floor
+        verdict(c, c["floor_tp2_vs_tp1_unsharded"])
+        if run == "tp2-fms-mtp-debug":
+            c["ok"] = c["ok"] and c["debug_invariants_hold"]
+        elif run == "tp2-fms-mtp-shard":
+            c["vs_eager_debug"] = onegpu.agree(results, run, "tp2-fms-mtp-debug")
         if "mtp" in run:
             c["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode")
                                   for v in (base, run)}
@@ -335,6 +366,10 @@ def step_bytes(rows: int = 8, layers: int = 2, heads: int = 64, k: int = 512,
 def compare(results, out_dir: str) -> dict:
     out = {}
     floors = {k: onegpu.agree(results, f"tp2-{k}-plain", f"tp1-{k}-plain") for k in BACKENDS}
+    # MTP runs against the MTP model's own floor where it ran (before
+    # 2026-12-06's fifth lease: the floor of the model without its MTP layer)
+    mtp_floors = {k: onegpu.agree(results, f"tp2-{k}-mtp-plain", f"tp1-{k}-mtp-plain")
+                  or floors[k] for k in ("fas", "fms")}
     for k, floor in floors.items():
         c = onegpu.pair(out, f"tp2-{k}-shard-graphs", results, f"tp2-{k}-shard",
                         f"tp2-{k}-plain", 2, 1.95)
@@ -357,29 +392,37 @@ def compare(results, out_dir: str) -> dict:
         out["prefix-tp2-fas"] = prefix_check(results)
     if "tp2-fas-time-plain" in results:
         out["decode-step-vs-context"] = time_check(results)
-    if {"tp2-fms-vllmdcp", "tp2-fms-mtp-vllmdcp", "tp2-fms-mtp-shard-full"} & set(results):
+    if {"tp2-fms-vllmdcp", "tp2-fms-mtp-vllmdcp", "tp2-fms-mtp-shard-full",
+            "tp2-fms-mtp-shard"} & set(results):
         # vLLM's own DCP (CuteDSL) beside cp_kv
-        out.update(vllm_dcp_checks(results, floors["fms"]))
+        out.update(vllm_dcp_checks(results, floors["fms"], mtp_floors["fms"]))
     if "tp2-fms-time-plain" in results:
         out["decode-step-vs-vllm-dcp"] = time_side_by_side(results)
     if "tp2-fas-bytes-shard" in results:
         out["bytes-per-decode-step"] = bytes_check(results)
-    if "tp2-fas-mtp-shard" in results:  # the floor: the model without its MTP layer's
+    if "tp2-fas-mtp-shard" in results:
         for mode, run in (("graphs", "tp2-fas-mtp-shard"), ("eager-debug", "tp2-fas-mtp-debug"),
                           ("graphs-piecewise", "tp2-fas-mtp-shard-pw"),
-                          ("graphs-full-decode-only", "tp2-fas-mtp-shard-fdo")):
+                          ("graphs-full-decode-only", "tp2-fas-mtp-shard-fdo"),
+                          # lease 1 of the fix (the drafter's eager switch off)
+                          ("graphs-drafter-in-graphs", "tp2-fas-mtp-shard-gdraft")):
             if run not in results:
                 continue
             c = onegpu.pair(out, f"tp2-fas-mtp2-{mode}", results, run, "tp2-fas-mtp-plain",
                             2, 1.95)
             if c:
                 mtp_rows(c, results[run])
-                verdict(c, floors["fas"])
+                c["floor_mtp_tp2_vs_tp1_unsharded"] = mtp_floors["fas"]
+                verdict(c, mtp_floors["fas"])
+                # a stale captured plan shows as graphs parting from eager
+                c["vs_eager_debug"] = onegpu.agree(results, run, "tp2-fas-mtp-debug")
                 c["ok"] = c["ok"] and (mode.startswith("graphs") or c["debug_invariants_hold"])
                 c["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode")
                                       for v in ("tp2-fas-mtp-plain", run)}
-            else:  # a FULL mode: refused at startup (row spec-sparse-graphs)
+            else:  # failed (before the fix a FULL mode was refused at startup)
                 out[f"tp2-fas-mtp2-{mode}"]["error"] = _error(results.get(run) or {})
+    if any(n.startswith("pd-sa-") for n in results):  # sparse P/D, as the dense model's
+        onegpu_checks.pd_checks(out, {n: r for n, r in results.items() if n.startswith("pd-sa-")})
     if "tp2-glm5-shard" in results:
         c = onegpu.pair(out, "tp2-glm5-shard-graphs", results, "tp2-glm5-shard",
                         "tp2-glm5-plain", 2, 1.95)
@@ -464,6 +507,9 @@ def report(out_dir: str, results: dict) -> None:
         if "agreement" in c:
             figs["identical"] = f"{c['agreement']['identical']}/{c['agreement']['of']}"
             figs["mean_first_diff"] = c["agreement"]["mean_first_diff"]
+        for x in ("identical", "prompts", "reach", "floor_reach", "transport_ok"):
+            if x in c and "agreement" not in c:  # the P/D runs
+                figs[x] = c[x]
         if c.get("floor_tp2_vs_tp1_unsharded"):
             f = c["floor_tp2_vs_tp1_unsharded"]
             figs["floor"] = f"{f['identical']}/{f['of']} {f['mean_first_diff']}"
@@ -488,7 +534,7 @@ def main() -> None:
                     harness, env) for name, (kind, args, harness, env) in runs().items()}
     names = [n for part in a.runs.split(",") for n in GROUPS.get(part, [part])]
     for kind in {table[n][0] for n in names}:
-        model_dir(kind)
+        model_dir(kind.partition(":")[2] if kind.startswith("pd:") else kind)
     onegpu.run_table(table, names, a, results, path)
     report(a.out, results)
 

@@ -602,27 +602,6 @@ def run_waves(llm, prompts_, sp, a, res):
     return outs
 
 
-def _fork_workers() -> None:
-    """A test-time saving on CPU (``CP_KV_TEST_FORK_WORKERS=1``, which
-    ``tests/conftest.py run_generate`` sets with ``OMP_NUM_THREADS=1``): vLLM's
-    CPU platform has its executor spawn the workers, each importing torch and
-    vLLM anew (7 s of a TP=2 run's 24 s on 2 cores, 18 s of a TP=4 run's);
-    this process has both imported, so the workers are forked from it. They
-    are the same separate worker processes, running the same code; the
-    driver runs no OpenMP pool of its own (``OMP_NUM_THREADS=1``: forked
-    workers under a driver with a 2-thread pool ran 3 times slower), and each
-    worker sets and binds its one thread as a spawned one does."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    update = CpuPlatform.check_and_update_config.__func__
-
-    def check_and_update_config(cls, vllm_config):
-        update(cls, vllm_config)
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-
-    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -716,20 +695,10 @@ def main() -> None:
     ap.add_argument("--time-contexts", default="2000",
                     help="--time-decode: comma-separated contexts, one timing each")
     ap.add_argument("--dcp", type=int, default=1, help="vLLM's own DCP (no plugin)")
-    ap.add_argument("--lift-spec-sparse-graphs", action="store_true",
-                    help="verification aid (not a serving option): skip the startup row "
-                         "spec-sparse-graphs, to try a sparse backend with a drafter in "
-                         "full decode graphs")
     a = ap.parse_args()
-    if a.lift_spec_sparse_graphs:  # the engine's checks run in this process
-        from vllm_cp_kv.integration import checks
-
-        checks.check_sparse_spec_graphs = lambda compilation_config: None
     if a.series:
         a.waves = 3 * len(a.token_prompts.split(","))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if os.environ.get("CP_KV_TEST_FORK_WORKERS") == "1":
-        _fork_workers()
     if a.no_plugin:
         os.environ["VLLM_PLUGINS"] = "none"
     res = run(a)

@@ -21,8 +21,9 @@ CPU_ENV = {
 }
 
 
-# harness/run_vllm.py _fork_workers: the runs' workers forked from the
-# driver, which imported vLLM already, instead of spawned (a test-time saving)
+# vllm_cp_kv/tools/offline.py _fork_cpu_workers: the runs' engine cores and
+# workers forked from the driver, which imported vLLM already, instead of
+# spawned (a test-time saving; harness/run_vllm.py and pd_offline's roles)
 FORK_WORKERS = {"CP_KV_TEST_FORK_WORKERS": "1", "OMP_NUM_THREADS": "1"}
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

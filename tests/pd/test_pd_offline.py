@@ -52,7 +52,7 @@ import sys
 import pytest
 
 from builders import free_port
-from conftest import CPU_ENV, ROOT, needs_vllm
+from conftest import CPU_ENV, FORK_WORKERS, ROOT, needs_vllm
 
 pytestmark = needs_vllm
 
@@ -86,7 +86,7 @@ def test_pd_identical_to_single_instance(tiny_dsv2, tmp_path, transport):
          "--transfer-timeout", "120", "--blocks-expiry", "300",
          "--waves", str(WAVES[transport]), *(["--floor"] if transport == "nixl" else []),
          "--port", str(free_port(consecutive=2)), "--timeout", "400"],
-        env={**os.environ, **CPU_ENV}, cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, **CPU_ENV, **FORK_WORKERS}, cwd=ROOT, capture_output=True, text=True,
         timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(work, "pd_result.json")) as f:
@@ -149,7 +149,7 @@ def test_pd_with_mtp_on_the_decode(tiny_mtp, tmp_path):
          "--decode-tp", "1", "--dtype", "float32", "--backend", "CPU_MLA",
          "--block-size", "16", "--num-prompts", "4", "--max-tokens", "24",
          "--spec", spec, "--port", str(free_port(consecutive=2)), "--timeout", "400"],
-        env={**os.environ, **CPU_ENV}, cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, **CPU_ENV, **FORK_WORKERS}, cwd=ROOT, capture_output=True, text=True,
         timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(work, "pd_result.json")) as f:

@@ -29,7 +29,7 @@ import sys
 import pytest
 
 from builders import free_port
-from conftest import CPU_ENV, ROOT, harness_env, needs_vllm
+from conftest import CPU_ENV, FORK_WORKERS, ROOT, harness_env, needs_vllm
 
 pytestmark = needs_vllm
 OPT_IN = pytest.mark.skipif(os.environ.get("VLLM_CP_KV_RUN_PD_E2E") != "1",
@@ -52,7 +52,7 @@ def run_pd(model, work, *args, env=None, num_prompts=6):
          "--block-size", "16", "--num-prompts", str(num_prompts), "--max-tokens", "24",
          "--transfer-timeout", "120", "--blocks-expiry", "300",
          "--port", str(free_port(consecutive=2)), "--timeout", "420", *args],
-        env={**os.environ, **CPU_ENV, **(env or {})}, cwd=ROOT, capture_output=True,
+        env={**os.environ, **CPU_ENV, **FORK_WORKERS, **(env or {})}, cwd=ROOT, capture_output=True,
         text=True, timeout=1000)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(work, "pd_result.json")) as f:

@@ -97,3 +97,70 @@ def test_the_path_is_chosen_by_release_pcp_and_decode(release, pcp, decode, want
 
     assert sparse_shard_aware(CPKVOptions(enable=True, decode=decode), pcp,
                               release=release) is want
+
+
+def _builder(base_init_threshold=256):
+    """A metadata builder on vLLM's own base class that sets its decode
+    threshold as vLLM's FLASH_ATTN_MLA_SPARSE builder does (the real
+    builders import CUDA kernels)."""
+    from vllm.v1.attention.backend import AttentionMetadataBuilder
+
+    class Builder(AttentionMetadataBuilder):
+        def __init__(self, vllm_config):
+            self.vllm_config, self.kv_cache_spec = vllm_config, None
+            self._init_reorder_batch_threshold(base_init_threshold,
+                                               supports_spec_as_decode=True)
+
+        def build(self, *args, **kwargs):
+            raise NotImplementedError
+
+    return Builder
+
+
+def _config(spec, dcp):
+    from types import SimpleNamespace
+
+    speculative = None if spec is None else SimpleNamespace(
+        num_speculative_tokens=spec, parallel_drafting=False)
+    return SimpleNamespace(speculative_config=speculative, use_v2_model_runner=True,
+                           parallel_config=SimpleNamespace(decode_context_parallel_size=dcp))
+
+
+@pytest.mark.parametrize("spec,dcp,vllms,want", [
+    (2, 2, 1, 3), (None, 2, 1, 1), (2, 1, 256, 256), (None, 1, 256, 256)])
+def test_a_verification_row_stays_a_decode_row_under_dcp(spec, dcp, vllms, want):
+    """Under DCP at an interleave other than 1 vLLM's sparse builders take
+    only 1-token rows as decode rows (``vllms``: what vLLM's own logic gives,
+    the negative control); the shard-aware builders take a verification row
+    of 1 + k tokens as one (docs/sparse.md, MTP in full decode graphs), and
+    change nothing else."""
+    from vllm_cp_kv.integration.sparse_dcp import SpecRowsAsDecode
+
+    builder = _builder()
+    assert builder(_config(spec, dcp)).reorder_batch_threshold == vllms
+    shard = type("ShardAware", (SpecRowsAsDecode, builder), {})
+    assert shard(_config(spec, dcp)).reorder_batch_threshold == want
+
+
+def test_both_sparse_backends_get_the_builder_and_only_fa3_the_lse_impl():
+    from vllm_cp_kv.integration.sparse_dcp import (FA3SparseLSE, SpecRowsAsDecode,
+                                                   shard_aware_sparse_backend)
+
+    builder = _builder()
+
+    class Impl:
+        pass
+
+    def backend(name):
+        return type(name, (), {"get_name": staticmethod(lambda: name),
+                               "get_builder_cls": staticmethod(lambda: builder),
+                               "get_impl_cls": staticmethod(lambda: Impl)})
+
+    for name, lse in (("FLASH_ATTN_MLA_SPARSE", True), ("FLASHMLA_SPARSE", False)):
+        inner = backend(name)
+        got = shard_aware_sparse_backend(inner)
+        assert issubclass(got, inner) and got.get_name() == name
+        assert issubclass(got.get_builder_cls(), SpecRowsAsDecode)
+        assert issubclass(got.get_builder_cls(), builder)
+        assert issubclass(got.get_impl_cls(), FA3SparseLSE) is lse
+        assert issubclass(got.get_impl_cls(), Impl)

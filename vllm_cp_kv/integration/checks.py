@@ -5,8 +5,7 @@ Two stages, both run only when ``cp_kv.enable`` is set:
 * :func:`check_engine_args` runs on the user's ``EngineArgs`` before vLLM
   builds its config: :func:`validate_engine_args` refuses, changing
   nothing; :func:`derive_engine_args` then sets what sharding needs
-  (``decode_context_parallel_size``; on CPU, PyTorch's rope; on GPU, a
-  sparse model's graph mode with a speculative drafter).
+  (``decode_context_parallel_size``; on CPU, PyTorch's rope).
 * :func:`check_vllm_config` runs once the model config and the block size
   are known, and pins ``cp_kv_cache_interleave_size`` to the block size.
 
@@ -71,7 +70,7 @@ def check_engine_args(args, options: CPKVOptions) -> None:
     :func:`derive_engine_args` (sets what sharding needs)."""
     model_config = validate_engine_args(args, options)
     if model_config is not None:
-        derive_engine_args(args, options, model_config)
+        derive_engine_args(args, options)
 
 
 def validate_engine_args(args, options: CPKVOptions):
@@ -90,19 +89,14 @@ def validate_engine_args(args, options: CPKVOptions):
     return _check_model_args(args, options)
 
 
-def derive_engine_args(args, options: CPKVOptions, model_config) -> None:
+def derive_engine_args(args, options: CPKVOptions) -> None:
     """Set in place what sharding needs: DCP = the shard group; on CPU
-    PyTorch's rope and vLLM's DCP query replication; on GPU, PIECEWISE
-    graphs for a sparse model with a speculative drafter (``model_config``:
-    the one :func:`validate_engine_args` judged)."""
+    PyTorch's rope and vLLM's DCP query replication."""
     pcp = args.prefill_context_parallel_size
     args.decode_context_parallel_size = shard_group_size(args.tensor_parallel_size, pcp)
     if not _on_gpu():
         derive_torch_rope(args.compilation_config)
         derive_query_replication(args, pcp, options)
-    elif (args.speculative_config and not args.enforce_eager and _sparse(model_config)
-          and sparse_shard_aware(options, pcp)):
-        derive_sparse_spec_graphs(args.compilation_config)
 
 
 def _check_parallel(args, options: CPKVOptions) -> None:
@@ -183,8 +177,6 @@ def _check_model_args(args, options: CPKVOptions):
     check_kv_cache_dtype(str(getattr(args, "kv_cache_dtype", None) or "auto"), sparse)
     if sparse and _on_gpu() and not args.enforce_eager:
         check_sparse_graphs(options, args.prefill_context_parallel_size)
-        if args.speculative_config:
-            check_sparse_spec_graphs(args.compilation_config)
     if options.prefetch and sparse:
         raise CPKVConfigError(
             "cp_kv: prefetch is for dense MLA models; a sparse-attention model reads "
@@ -272,41 +264,6 @@ def check_sparse_graphs(options: CPKVOptions, pcp: int) -> None:
             "its decode reads a full view planned per batch) have not been verified; "
             "add --enforce-eager, or use vLLM 0.34 with TP and the default decode "
             "(the shard-aware sparse path, docs/sparse.md), or disable cp_kv.")
-
-
-# Measured on one H100 (2026-12-06, benchmarks/results/h100x1-2026-12-06-sparse-mtp):
-# MTP k=2 on the shard-aware sparse path with the target's decode batches in
-# full graphs (FULL_AND_PIECEWISE, FULL_DECODE_ONLY) gave wrong tokens (0/8
-# identical, one token repeated, no draft accepted) although every run
-# without speculative rows and the eager run hold; PIECEWISE (attention
-# between the graph pieces) matched the eager run. The drafter's own full
-# graphs hit an illegal memory access (pcp.eager_drafter keeps it eager).
-def check_sparse_spec_graphs(compilation_config) -> None:
-    """A speculative drafter with a sparse model on the shard-aware path:
-    only PIECEWISE graphs (derived where the mode is left unset)."""
-    name = _graph_mode_name(compilation_config)
-    if name is not None and name not in ("PIECEWISE", "NONE"):
-        raise CPKVConfigError(
-            f"cp_kv: cudagraph_mode {name} with speculative decoding and a "
-            "sparse-attention (DeepSeek-V3.2) model captures the attention of the "
-            "verification rows, which gave wrong tokens with sharded KV; leave "
-            "cudagraph_mode unset (cp_kv then runs PIECEWISE graphs, the drafter eager), "
-            "set it to PIECEWISE, or add --enforce-eager.")
-
-
-def derive_sparse_spec_graphs(compilation_config) -> None:
-    """Unset cudagraph_mode, a sparse model, a speculative drafter, the
-    shard-aware path: PIECEWISE (see :func:`check_sparse_spec_graphs`)."""
-    from vllm.config.compilation import CUDAGraphMode
-
-    if _graph_mode_name(compilation_config) is not None:
-        return
-    if isinstance(compilation_config, dict):
-        compilation_config["cudagraph_mode"] = "PIECEWISE"
-    else:
-        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
-    logger.info("cp_kv: speculative decoding with a sparse-attention model and "
-                "sharded KV: CUDA graphs PIECEWISE, the drafter eager (docs/sparse.md)")
 
 
 def _graph_mode_name(compilation_config) -> str | None:

@@ -65,7 +65,7 @@ FAMILIES = (
                             "DeepseekV32MTPModel"),
            "sparse MLA (DSA: lightning indexer, top-k) on every layer", f"{MLA}; {INDEXER}",
            RUNS, shown_by="GPU benchmarks/results/h200x1-2026-12-04-sparse-shard-aware "
-                          "(GLM-5 row too); MTP: h100x1-2026-12-06-sparse-mtp (PIECEWISE graphs, the drafter eager)"),
+                          "(GLM-5 row too); MTP and P/D: h100x1-2026-12-06-sparse-mtp-graphs"),
     Family("glm4-moe-lite", ("Glm4MoeLiteForCausalLM",),
            "dense MLA (GLM-4.7-Flash)", MLA, RUNS,
            shown_by="CPU: tests/vllm/test_models_e2e.py (TP=2 float32, tokens equal "

@@ -39,16 +39,12 @@ import weakref
 import numpy as np
 import torch
 
-from vllm.logger import init_logger
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
 from . import vllm_api
 from .last_token import LastTokenPCPManager, bound_manager_cls
 from .options import options_of
-from .sparse_dcp import shard_aware_sparse
 from .step import PCPStep
-
-logger = init_logger("vllm." + __name__)
 
 
 def rank_token_counts(manager: PCPManager, num_scheduled, is_prefilling) -> list[int]:
@@ -162,25 +158,6 @@ class CPKVPCPManager(LastTokenPCPManager):
         return local
 
 
-def eager_drafter(speculator) -> None:
-    """A sparse (DSA) model sharded with a speculative drafter: the drafter's
-    forwards run eager (the target runs PIECEWISE graphs:
-    ``checks.derive_sparse_spec_graphs``). Why: the MTP drafter's full-graph
-    replay (vLLM 0.34's speculator graphs over its DCP sparse metadata,
-    prefill graphs captured or not) hit an illegal memory access on the H100
-    and H200; with the drafter eager, PIECEWISE matched the eager run
-    (docs/sparse.md; vLLM's own DCP sparse path, which needs CuteDSL, could
-    not be run beside it). The one place the plugin changes vLLM's
-    speculator: its graph manager is made with mode NONE, as under
-    ``--enforce-eager``."""
-    from vllm.config.compilation import CUDAGraphMode
-
-    init = speculator.init_cudagraph_manager
-    speculator.init_cudagraph_manager = lambda mode: init(CUDAGraphMode.NONE)
-    logger.info("cp_kv: the speculative drafter of a sparse model runs eager "
-                "(docs/sparse.md)")
-
-
 def make_runner_cls():
     """vLLM's V2 GPU model runner selecting :class:`CPKVPCPManager`, and
     opening the runtime's step around vLLM's dummy runs (as the worker does
@@ -195,11 +172,6 @@ def make_runner_cls():
             cls = bound_manager_cls(self, CPKVPCPManager)
             cls.narrow_gather = options_of(self.vllm_config).last_token_gather
             return cls
-
-        def __init__(self, vllm_config, device):
-            super().__init__(vllm_config, device)
-            if self.speculator is not None and shard_aware_sparse(vllm_config):
-                eager_drafter(self.speculator)
 
         def _dummy_run(self, *args, **kwargs):
             if self.cp_kv_runtime is None:

@@ -26,7 +26,9 @@ What vLLM lacks, and this module adds:
 2. :func:`shard_aware_sparse_backend`: FLASH_ATTN_MLA_SPARSE (FA3) returns
    no LSE and declines DCP; its subclass here asks FA3 for the LSE it
    computes anyway (``return_softmax_lse``, as vLLM's dense FLASH_ATTN_MLA
-   does for DCP) and declares DCP support. FLASHMLA_SPARSE is vLLM's own.
+   does for DCP) and declares DCP support. Both backends' builders take a
+   speculative verification row as a decode row at the plugin's interleave
+   (:class:`SpecRowsAsDecode`; vLLM does so only at interleave 1).
 
 Nothing else of the plugin's per-batch machinery runs for these layers: no
 plan, no scratch view, no indexer wrapper (that is the materializing path,
@@ -149,14 +151,46 @@ class FA3SparseLSE:
         return out.masked_fill(empty[..., None], 0), lse.masked_fill(empty, float("-inf"))
 
 
+class SpecRowsAsDecode:
+    """Mixin over a sparse backend's metadata builder: a speculative
+    verification row (``1 + num_speculative_tokens`` query tokens) takes the
+    decode branch under DCP at the plugin's interleave (the block size).
+
+    vLLM 0.34 lowers the builders' decode threshold to 1 under DCP unless the
+    builder passes ``supports_dcp_with_varlen`` (FLASHMLA_SPARSE does only
+    for interleave 1, FLASH_ATTN_MLA_SPARSE never), so at interleave 64 a
+    verification row went to the sparse layer's *prefill* branch while the
+    indexer (threshold ``next_n``) and the model runner (a uniform decode
+    batch, captured whole) took it as decode; the prefill branch's plans are
+    built on the host and a full decode graph bakes them in at capture (wrong
+    tokens on replay: docs/sparse.md). The decode branch assumes no layout:
+    each query token carries its own top-k positions, which
+    ``triton_filter_and_convert_dcp_index`` filters to this rank's with the
+    interleave. Only the verification width is raised (as vLLM does for
+    spec-as-decode builders); longer rows stay prefill rows."""
+
+    def _init_reorder_batch_threshold(self, reorder_batch_threshold=1,
+                                      supports_spec_as_decode=False,
+                                      supports_dcp_with_varlen=False):
+        super()._init_reorder_batch_threshold(reorder_batch_threshold, supports_spec_as_decode,
+                                              supports_dcp_with_varlen)
+        if self.reorder_batch_threshold is not None and supports_spec_as_decode:
+            from vllm.v1.attention.backend import max_decode_query_len
+
+            self.reorder_batch_threshold = max(self.reorder_batch_threshold,
+                                               max_decode_query_len(self.vllm_config))
+
+
 @cache
 def shard_aware_sparse_backend(inner: type) -> type:
     """The backend the shard-aware path runs for vLLM's sparse backend
-    ``inner``: FLASHMLA_SPARSE itself; FLASH_ATTN_MLA_SPARSE with
-    :class:`FA3SparseLSE`."""
-    if inner.get_name() != "FLASH_ATTN_MLA_SPARSE":
-        return inner
-    impl = type(f"ShardAware_{inner.get_impl_cls().__name__}",
-                (FA3SparseLSE, inner.get_impl_cls()), {})
-    return type(f"ShardAwareBackend_{inner.get_name()}", (inner,),
-                {"get_impl_cls": staticmethod(lambda: impl)})
+    ``inner``: its builder with :class:`SpecRowsAsDecode`; for
+    FLASH_ATTN_MLA_SPARSE also its impl with :class:`FA3SparseLSE`."""
+    builder = inner.get_builder_cls()
+    members = {"get_builder_cls": staticmethod(lambda: shard_builder)}
+    shard_builder = type(f"ShardAware_{builder.__name__}", (SpecRowsAsDecode, builder), {})
+    if inner.get_name() == "FLASH_ATTN_MLA_SPARSE":
+        impl = type(f"ShardAware_{inner.get_impl_cls().__name__}",
+                    (FA3SparseLSE, inner.get_impl_cls()), {})
+        members["get_impl_cls"] = staticmethod(lambda: impl)
+    return type(f"ShardAwareBackend_{inner.get_name()}", (inner,), members)

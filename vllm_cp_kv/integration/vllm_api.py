@@ -51,9 +51,7 @@ no.    target (vLLM 0.32)                                      how
        idx``, ``partition_batch``, ``restore_for_sampling``,   overrides
        ``validate_config``
 21     V2 ``GPUModelRunner._dummy_run``, ``pcp_manager_cls``;  overrides
-       ``Worker._make_model_runner``, ``use_v2_model_runner``;
-       the speculator's ``init_cudagraph_manager`` (sparse
-       MTP: the drafter eager, ``pcp.eager_drafter``)
+       ``Worker._make_model_runner``, ``use_v2_model_runner``
 22     AMX_MLA's ``_compute_num_kv_splits``,                   calls
        ``_expand_block_table``; ``_custom_ops.cpu_mla_decode``
 23     the DSA indexer: ``_resolve_layer_name``, the keywords  calls, reads
@@ -319,8 +317,6 @@ REGISTRY = (
               assigns_in=((f"{_PCP}:PCPManager._build_batch_layout", ("_hidden_restore_idx",)),)),
     Rebinding(21, ("vllm.v1.worker.gpu.model_runner:GPUModelRunner._dummy_run",
                    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.pcp_manager_cls",
-                   "vllm.v1.worker.gpu.spec_decode.speculator:"
-                   "BaseSpeculator.init_cudagraph_manager",
                    "vllm.v1.worker.gpu_worker:Worker._make_model_runner",
                    "vllm.config.vllm:VllmConfig.is_mm_encoder_only")),
     Rebinding(21, ("vllm.v1.worker.gpu_worker:Worker.__init__",),

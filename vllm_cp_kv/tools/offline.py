@@ -22,9 +22,15 @@ one place that turns the few settings they vary into engine arguments.
   cp_kv connector (``kv_connector_extra_config``, docs/disaggregated.md);
 * anything else (``max_model_len``, ``enable_prefix_caching``, ...) goes to
   ``LLM`` as given.
+
+``CP_KV_TEST_FORK_WORKERS=1`` (the test suite's, ``tests/conftest.py``; not a
+serving option) forks vLLM's CPU engine core and workers from this process
+instead of spawning them: :func:`_fork_cpu_workers`.
 """
 
 from __future__ import annotations
+
+import os
 
 ROPE = {"torch": "-rotary_embedding", "kernel": "+rotary_embedding"}
 
@@ -84,7 +90,36 @@ def build_llm(model: str, **options):
     """``vllm.LLM(**engine_kwargs(model, **options))``."""
     from vllm import LLM
 
+    if os.environ.get("CP_KV_TEST_FORK_WORKERS") == "1":
+        _fork_cpu_workers()
     return LLM(**engine_kwargs(model, **options))
+
+
+def _fork_cpu_workers() -> None:
+    """A test-time saving on CPU (``CP_KV_TEST_FORK_WORKERS=1``, which
+    ``tests/conftest.py`` sets with ``OMP_NUM_THREADS=1``): vLLM's CPU
+    platform has the engine core (with ``VLLM_ENABLE_V1_MULTIPROCESSING``) and
+    the executor's workers spawned, each importing torch and vLLM anew (7 s
+    of a TP=2 run's 24 s on 2 cores, 18 s of a TP=4 run's); this process has
+    both imported, so they are forked from it. They are the same separate
+    processes, running the same code; the driver runs no OpenMP pool of its
+    own (``OMP_NUM_THREADS=1``: forked workers under a driver with a 2-thread
+    pool ran 3 times slower), and each worker sets and binds its one thread
+    as a spawned one does. The one patch of vLLM here: its CPU platform sets
+    ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` while checking the config; this
+    sets ``fork`` right after."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    update = CpuPlatform.check_and_update_config.__func__
+    if getattr(update, "cp_kv_forks", False):
+        return
+
+    def check_and_update_config(cls, vllm_config):
+        update(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    check_and_update_config.cp_kv_forks = True
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _counters(llm, names) -> dict:

@@ -195,23 +195,22 @@ def _cache_empty(llm, timeout_s: float) -> float | None:
 
 
 def _page_bytes(llm) -> int:
-    """Bytes of one KV block of every layer, from the model config (the MLA
-    latent: kv_lora_rank + qk_rope_head_dim values per token), the MTP
-    draft layers included."""
-    import torch
+    """Bytes of one KV block of every layer, the MTP draft layers included:
+    each layer's caches as ``vllm-cp-kv capacity`` counts them
+    (``cli.model_kv_layout``: the MLA latent, fp8_ds_mla's 656-byte rows,
+    DeepSeek-V3.2's indexer keys and scales)."""
+    from .cli import model_kv_layout
 
     cfg = llm.llm_engine.vllm_config
     hf = cfg.model_config.hf_text_config
-    dtype = cfg.model_config.dtype
-    if str(cfg.cache_config.cache_dtype).startswith("fp8"):
-        dtype = torch.uint8  # one byte per value (not fp8_ds_mla's own page layout)
-    width = hf.kv_lora_rank + hf.qk_rope_head_dim
+    layout = model_kv_layout(cfg.model_config.model,
+                             str(cfg.model_config.dtype).removeprefix("torch."),
+                             str(cfg.cache_config.cache_dtype))
     spec = cfg.speculative_config
     layers = hf.num_hidden_layers + (
         getattr(hf, "num_nextn_predict_layers", 0) or 0
         if spec is not None and spec.method == "mtp" else 0)
-    return (layers * cfg.cache_config.block_size * width
-            * torch.tensor([], dtype=dtype).element_size())
+    return layers * cfg.cache_config.block_size * (layout["latent"] + layout["indexer"])
 
 
 def _capacity(llm) -> int:
