@@ -292,17 +292,16 @@ def vllm_dcp_checks(results, floor: dict | None, mtp_floor: dict | None) -> dict
         if c is None:
             out[key]["error"] = _error(results.get(run) or {})
             continue
-        if "mtp" in run and "vllmdcp" not in run:  # cp_kv's poisoned caches: drafts
-            mtp_rows(c, results[run])               # are written past the tokens kept
-        c["floor_tp2_vs_tp1_unsharded"] = mtp_floor if "mtp" in run else floor
-        verdict(c, c["floor_tp2_vs_tp1_unsharded"])
-        if run == "tp2-fms-mtp-debug":
-            c["ok"] = c["ok"] and c["debug_invariants_hold"]
-        elif run == "tp2-fms-mtp-shard":
-            c["vs_eager_debug"] = onegpu.agree(results, run, "tp2-fms-mtp-debug")
-        if "mtp" in run:
+        if "mtp" not in run:
+            c["floor_tp2_vs_tp1_unsharded"] = floor
+            verdict(c, floor)
+        elif "vllmdcp" in run:
+            c["floor_tp2_vs_tp1_unsharded"] = mtp_floor
+            verdict(c, mtp_floor)
             c["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode")
                                   for v in (base, run)}
+        else:
+            mtp_verdict(c, results, run, base, mtp_floor, "tp2-fms-mtp-debug")
     s, v = (onegpu._ok(results, n) for n in ("tp2-fms-shard", "tp2-fms-vllmdcp"))
     if s and v:
         out["cp-kv-vs-vllm-dcp-fms"] = {
@@ -411,14 +410,8 @@ def compare(results, out_dir: str) -> dict:
             c = onegpu.pair(out, f"tp2-fas-mtp2-{mode}", results, run, "tp2-fas-mtp-plain",
                             2, 1.95)
             if c:
-                mtp_rows(c, results[run])
-                c["floor_mtp_tp2_vs_tp1_unsharded"] = mtp_floors["fas"]
-                verdict(c, mtp_floors["fas"])
-                # a stale captured plan shows as graphs parting from eager
-                c["vs_eager_debug"] = onegpu.agree(results, run, "tp2-fas-mtp-debug")
-                c["ok"] = c["ok"] and (mode.startswith("graphs") or c["debug_invariants_hold"])
-                c["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode")
-                                      for v in ("tp2-fas-mtp-plain", run)}
+                mtp_verdict(c, results, run, "tp2-fas-mtp-plain", mtp_floors["fas"],
+                            "tp2-fas-mtp-debug")
             else:  # failed (before the fix a FULL mode was refused at startup)
                 out[f"tp2-fas-mtp2-{mode}"]["error"] = _error(results.get(run) or {})
     if any(n.startswith("pd-sa-") for n in results):  # sparse P/D, as the dense model's
@@ -438,6 +431,23 @@ def mtp_rows(c: dict, run: dict) -> None:
     c["written_rows"] = [[n for width, n in layers if width != checks.INDEXER_ROW]
                          for layers in c.get("written") or []]
     c["owned_writes_ok"] = onegpu.mtp_rows_ok(c, run)
+
+
+def mtp_verdict(c: dict, results, run: str, base: str, floor: dict | None,
+                eager: str) -> None:
+    """A sharded MTP run ``run`` against unsharded MTP ``base``: its latent
+    rows (:func:`mtp_rows`), tokens within the MTP model's ``floor``, the
+    draft counters; the eager debug run ``eager`` must hold its checks, and
+    every other run is set beside it (a stale captured plan shows as graphs
+    parting from eager)."""
+    mtp_rows(c, results[run])
+    c["floor_tp2_vs_tp1_unsharded"] = floor
+    verdict(c, floor)
+    if run == eager:
+        c["ok"] = c["ok"] and c["debug_invariants_hold"]
+    else:
+        c["vs_eager_debug"] = onegpu.agree(results, run, eager)
+    c["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode") for v in (base, run)}
 
 
 def _error(run: dict) -> list:
