@@ -62,7 +62,7 @@ from vllm_cp_kv.tools import tiny_model
 
 # what benchmarks/gpu_recall.py and benchmarks/gpu_sparse.py take from here
 __all__ = ["DEBUG", "GRAPHS", "SHARD", "_ok", "agree", "agreement", "compare", "matrix_arguments",
-           "model_dir", "mtp_rows_ok", "pair", "run_table", "runs", "within_floor"]
+           "model_dir", "model_of", "mtp_rows_ok", "pair", "run_table", "runs", "within_floor"]
 
 HARNESS = os.path.join(ROOT, "scripts", "gpu", "onegpu")
 KV = str(4 << 30)  # per rank: the scratch view is < 2%
@@ -105,6 +105,14 @@ def env_for(harness: bool, extra: dict) -> dict:
     return env
 
 
+def model_of(kind: str) -> str:
+    """The model a run's kind names: ``MODEL``, ``"pd:MODEL"``, or ``"pd"``
+    (the MoE model)."""
+    if kind.startswith("pd"):
+        return kind.partition(":")[2] or "moe"
+    return kind
+
+
 def run_one(name: str, spec, out: str, timeout: float) -> dict:
     kind, args, harness, extra = spec
     t0 = time.time()
@@ -115,7 +123,7 @@ def run_one(name: str, spec, out: str, timeout: float) -> dict:
         mine = sorted(n for n, r in runs().items() if r[0] == "pd")
         port = 5700 + 10 * mine.index(name) if name in mine else 0
         cmd = [sys.executable, "-m", "vllm_cp_kv.tools.pd_offline",
-               model_dir(kind.partition(":")[2] or "moe"), work,
+               model_dir(model_of(kind)), work,
                "--device", "cuda", "--gpu-mem", "0.05", "--decode-gpu-mem", "0.05",
                "--kv-bytes", KV, "--port", str(port), "--timeout", str(int(timeout) - 20),
                *args]
@@ -274,7 +282,7 @@ def main() -> None:
     named = groups(table)
     names = [n for part in a.runs.split(",") for n in named.get(part, [part])]
     for kind in {table[n][0] for n in names}:  # build the models before the clock runs
-        model_dir(kind.partition(":")[2] or "moe" if kind.startswith("pd") else kind)
+        model_dir(model_of(kind))
     run_table(table, names, a, results, path)
     report(a.out, results)
 

@@ -544,7 +544,7 @@ def main() -> None:
                     harness, env) for name, (kind, args, harness, env) in runs().items()}
     names = [n for part in a.runs.split(",") for n in GROUPS.get(part, [part])]
     for kind in {table[n][0] for n in names}:
-        model_dir(kind.partition(":")[2] if kind.startswith("pd:") else kind)
+        model_dir(onegpu.model_of(kind))
     onegpu.run_table(table, names, a, results, path)
     report(a.out, results)
 

@@ -18,6 +18,9 @@ CPU_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
+    # no inductor builds of vLLM's sampler helpers (scripts/cpu_env.sh says why)
+    "TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1"),
+    "NUMBA_THREADING_LAYER": os.environ.get("NUMBA_THREADING_LAYER", "workqueue"),
 }
 
 

