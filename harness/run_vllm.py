@@ -96,21 +96,24 @@ def _written(worker):
     """Per layer cache: ``[row width, rows written, blocks written]`` (the
     sparse indexer's pages hold keys then scales, so count it by blocks).
     A row is written where any of its bits differ from the sentinel's,
-    compared 8 bytes at a time where the row allows, a few hundred blocks
-    at a time (a whole-cache comparison's temporary is a quarter of the
-    cache)."""
+    compared 8 bytes at a time where the row and its alignment allow, a
+    few hundred blocks at a time (a whole-cache comparison's temporary has
+    a byte per element)."""
     import torch
 
     out = []
     for cache in _caches(worker):
         rows = cache.reshape(cache.shape[0], -1, cache.shape[-1])
         sentinel = torch.full((1,), _sentinel(cache), dtype=cache.dtype)
-        if (rows.shape[-1] * rows.element_size()) % 8 == 0 and rows.is_contiguous():
+        size = rows.element_size()
+        if (rows.shape[-1] * size) % 8 == 0 and (rows.storage_offset() * size) % 8 == 0 \
+                and rows.is_contiguous():
             rows = rows.view(torch.int64)
-            sentinel = sentinel.repeat(8 // cache.element_size()).view(torch.int64)
+            sentinel = sentinel.repeat(8 // size).view(torch.int64)
+        sentinel = sentinel.to(rows.device)
         written_rows = written_blocks = 0
         for start in range(0, rows.shape[0], 512):
-            changed = (rows[start:start + 512] != sentinel.to(rows.device)).any(dim=-1)
+            changed = (rows[start:start + 512] != sentinel).any(dim=-1)
             written_rows += int(changed.sum())
             written_blocks += int(changed.any(dim=-1).sum())
         out.append([cache.shape[-1], written_rows, written_blocks])

@@ -33,8 +33,9 @@ def test_each_release_and_build_sees_its_own_spelling_of_an_item():
     with the sliding window on 0.34; 21: the runner choice up to 0.33), and
     CPU-build items (6, 22) apply to the CPU build only, 27 (TRITON_MLA's
     profile-run reservation) to 0.33+ GPU wheels only, 28 (the shard-aware
-    sparse path) to 0.34 GPU wheels only: every release and build sees each
-    of items 1-28 at most once, and all of those its build has."""
+    sparse path) to 0.34 GPU wheels only, 29 (the tests' fork of CPU
+    workers) to the CPU build only: every release and build sees each of
+    items 1-29 at most once, and all of those its build has."""
     from vllm_cp_kv.integration.vllm_api import KNOWN_VLLM, REGISTRY, applies
 
     seen = {}
@@ -42,14 +43,14 @@ def test_each_release_and_build_sees_its_own_spelling_of_an_item():
         for build in ("cpu", "gpu"):
             items = [item for item in REGISTRY if applies(item, release, build)]
             numbers = sorted({item.no for item in items})
-            seen[release, build] = [n for n in range(1, 29) if n not in numbers]
+            seen[release, build] = [n for n in range(1, 30) if n not in numbers]
             spelled = {}
             for item in items:  # one entry per item number, except 21's two halves
                 spelled.setdefault(item.no, []).append(item)
             assert all(len(v) == 1 for no, v in spelled.items() if no not in (21,))
-    assert seen[(0, 32), "cpu"] == [27, 28] and seen[(0, 32), "gpu"] == [6, 22, 27, 28]
-    assert seen[(0, 33), "gpu"] == [6, 22, 28]
-    assert seen[(0, 34), "gpu"] == [6, 14, 22]
+    assert seen[(0, 32), "cpu"] == [27, 28] and seen[(0, 32), "gpu"] == [6, 22, 27, 28, 29]
+    assert seen[(0, 33), "gpu"] == [6, 22, 28, 29]
+    assert seen[(0, 34), "gpu"] == [6, 14, 22, 29]
     eighteen = [item for item in REGISTRY if item.no == 18]
     assert [item.releases for item in eighteen] == [((0, 32),), ((0, 33),), ((0, 34),)]
     assert all(item.why for item in REGISTRY if item.releases or item.build)

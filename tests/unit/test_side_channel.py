@@ -161,8 +161,8 @@ def test_a_fake_plain_tcp_peer_sending_a_pickle_runs_nothing_on_the_decode(tmp_p
     marker = tmp_path / "ran-on-decode"
     port = free_port()
     fake = FakeTcpPeer(port, mp_connection_frame(pickled(str(marker))))
-    try:
-        with pytest.raises(SideChannelError, match="no answer"):
+    try:  # the frame is never taken (no ZMTP handshake), or never answered
+        with pytest.raises(SideChannelError, match="could not send|no answer"):
             fetch(port, timeout=1.0)
     finally:
         fake.close()

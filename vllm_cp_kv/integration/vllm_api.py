@@ -73,7 +73,8 @@ no.    target (vLLM 0.32)                                      how
        ``CpuPlatform.check_and_update_config``
 =====  ======================================================  ==============
 
-Why each rebinding is needed: ``plugin.py``'s docstring. Items 16-24 are
+Why each rebinding is needed: ``plugin.py``'s docstring (29: that of
+``tools/offline.py _fork_cpu_workers``). Items 16-24 are
 what the sharded classes override and call: a rename there would otherwise
 pass silently (an override nobody calls, a keyword vLLM no longer reads).
 """
