@@ -53,6 +53,12 @@ LAYOUTS = {  # in the order they run: the comparisons the issue asks first
 RECALL_SHAPE = dict(size=2, heads=8, width=576, v_dim=512, elt=2, layers=3)
 TASKS = {  # hits: waves 32K cold, +200 (hit), again; 100K cold, +200, again
     "hits": ["--token-prompts", "32768,100000", "--series", "--suffix-len", "200"],
+    # the same after one unrelated cold 20K-token prompt (the engine's first
+    # long prefill not charged to the 32K cold wave), and the turns likewise
+    "hitswarm": ["--token-prompts", "32768,100000", "--series", "--suffix-len", "200",
+                 "--warmup-tokens", "20000"],
+    "turnswarm": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns",
+                  "--warmup-tokens", "20000"],
     "turns": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns"],
     # decode step of 8 requests at 2K and 60K tokens (harness --time-decode)
     "steps": ["--token-prompts", "1000", "--max-num-seqs", "8", "--time-decode", "32",

@@ -32,7 +32,15 @@ bf16, ``fms`` FLASHMLA_SPARSE with ``fp8_ds_mla``):
   ``sa-vllm-time``: the decode step of the three at 2K / 16K / 64K (each
   alone: ``--parallel 1``);
 * ``sa-bytes``: eager runs counting the bytes each rank takes in per decode
-  step at the CUDA communicator (``--count-collectives``), at 2K / 16K / 64K.
+  step at the CUDA communicator (``--count-collectives``), at 2K / 16K / 64K;
+* ``sa-pcp``: sharding over PCP=2 and PCP=2 x TP=2 (FLASHMLA_SPARSE
+  fp8_ds_mla: vLLM 0.34's PCP + DCP sparse layers), graphs, against vLLM's
+  own PCP layout unsharded, the eager debug runs, MTP k=2 (eager: the row
+  spec-pcp-graphs); ``sa-mtp-final``: MTP k=2 with both drafters in graphs,
+  and sparse P/D with MTP; ``sa-mtp-time``, ``sa-pcp-time``: the decode
+  step with MTP, and under PCP=2 (each alone: ``--parallel 1``). Runs of
+  four ranks take about 10 GiB of an 80 GiB GPU each: at most five runs at
+  once (six ran out of memory on an H100).
 """
 
 from __future__ import annotations
@@ -140,6 +148,29 @@ def runs() -> dict:
     r["pd-sa-tp2-nixl"] = ("pd:dsv32", pd + ["--port", "5900"], True, {})
     r["pd-sa-tp2-shard2-nixl"] = ("pd:dsv32", pd + onegpu_runs.INTO_TP2_SHARD
                                   + ["--port", "5920"], True, {})
+    # sparse P/D with MTP k=2 on both sides: the prefill's drafter and the
+    # sharded decode's (the indexer pages travel with the latent)
+    r["pd-sa-tp2-shard2-mtp-nixl"] = ("pd:dsv32-mtp", pd + onegpu_runs.INTO_TP2_SHARD + MTP2
+                                      + ["--port", "5940"], True, {})
+    # sharding over PCP=2 and PCP=2 x TP=2 on the shard-aware path (vLLM
+    # 0.34's PCP + DCP sparse layers: FLASHMLA_SPARSE with fp8_ds_mla),
+    # graphs, against vLLM's own PCP layout unsharded (and the TP floor);
+    # the eager debug runs; MTP k=2 eager (the row spec-pcp-graphs: vLLM
+    # 0.34's own PCP fails with MTP in graphs, so graphs have no reference)
+    fms = BACKENDS["fms"]
+    for x, lay in (("pcp2", onegpu_runs.PCP2), ("pcp2tp2", onegpu_runs.PCP2TP2)):
+        r[f"{x}-fms-plain"] = ("dsv32-h32", lay + fms + GEN + GRAPHS + PLAIN + NO_SHARDQ["fms"],
+                               True, {})
+        r[f"{x}-fms-shard"] = ("dsv32-h32", lay + fms + GEN + GRAPHS + SHARD, True, {})
+        r[f"{x}-fms-debug"] = ("dsv32-h32", lay + fms + GEN + SHARD, True, DEBUG)
+        r[f"{x}-fms-mtp-eager"] = ("dsv32-h32-mtp", lay + fms + GEN + MTP2 + SHARD, True, {})
+    # the decode step with MTP k=2 (graphs, each alone: --parallel 1), and
+    # under PCP=2
+    for v, extra in (("plain", PLAIN), ("shard", SHARD)):
+        r[f"tp2-fas-mtp-time-{v}"] = ("dsv32-mtp-64k", TP2 + BACKENDS["fas"] + TIMED + MTP2
+                                      + GRAPHS + extra, True, {})
+        r[f"pcp2-fms-time-{v}"] = ("dsv32-h32-64k", onegpu_runs.PCP2 + fms + TIMED + GRAPHS
+                                   + extra + (NO_SHARDQ["fms"] if v == "plain" else []), True, {})
     fas = TP2 + BACKENDS["fas"] + GEN + PREFIX + GRAPHS
     r["tp2-fas-prefix-plain"] = ("dsv32", fas + PLAIN + ["--waves", "2"], True, {})
     r["tp2-fas-prefix-shard"] = ("dsv32", fas + [
@@ -174,6 +205,16 @@ GROUPS = {
                       "tp1-fms-mtp-plain"],
     "sa-pd": ["pd-sa-tp2-nixl", "pd-sa-tp2-shard2-nixl"],
     "sa-mtp-floor": ["tp1-fas-mtp-plain", "tp1-fms-mtp-plain"],
+    # PCP and PCP x TP on the shard-aware path, with their floors
+    "sa-pcp": ["tp1-fms-plain", "tp2-fms-plain", "pcp2-fms-plain", "pcp2-fms-shard",
+               "pcp2-fms-debug", "pcp2tp2-fms-plain", "pcp2tp2-fms-shard", "pcp2tp2-fms-debug",
+               "tp1-fms-mtp-plain", "tp2-fms-mtp-plain", "pcp2-fms-mtp-eager",
+               "pcp2tp2-fms-mtp-eager"],
+    # MTP k=2 with the final code (both drafters in graphs) and sparse P/D with MTP
+    "sa-mtp-final": ["tp2-fms-mtp-shard", "tp2-fms-mtp-debug", "tp1-fas-mtp-plain",
+                     "tp2-fas-mtp-plain", "tp2-fas-mtp-shard", "pd-sa-tp2-shard2-mtp-nixl"],
+    "sa-mtp-time": ["tp2-fas-mtp-time-plain", "tp2-fas-mtp-time-shard"],
+    "sa-pcp-time": ["pcp2-fms-time-plain", "pcp2-fms-time-shard"],
 }
 GROUPS["all"] = [n for g in ("sa", "sa-dump", "sa-time", "sa-glm5", "sa-prefix", "sa-tp4")
                  for n in GROUPS[g]]
@@ -186,6 +227,9 @@ def model_dir(kind: str) -> str:
         return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), max_positions=70000)
     if kind == "glm5":
         return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), glm5=True)
+    if kind == "dsv32-mtp-64k":
+        return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), mtp=True,
+                                      max_positions=70000)
     if kind == "dsv32-mtp":
         return tiny_model.build_dsv32(os.path.join(checks.MODELS, kind), mtp=True)
     if kind == "dsv32-h32":
@@ -251,11 +295,12 @@ def prefix_check(results) -> dict:
             "hits_unsharded": [w.get("prefix_cache_hits") for w in b["waves"]]}
 
 
-def time_check(results) -> dict:
-    """Sharded over unsharded decode step at each context; flat means the
-    step moves no context: 16K and 64K no more over unsharded than 2K
-    (10% for the harness's noise)."""
-    t = {v: (onegpu._ok(results, f"tp2-fas-time-{v}") or {}).get("decode_steps")
+def time_check(results, prefix: str = "tp2-fas-time") -> dict:
+    """Sharded over unsharded decode step at each context (runs
+    ``PREFIX-plain`` and ``PREFIX-shard``); flat means the step moves no
+    context: 16K and 64K no more over unsharded than 2K (10% for the
+    harness's noise)."""
+    t = {v: (onegpu._ok(results, f"{prefix}-{v}") or {}).get("decode_steps")
          for v in ("plain", "shard")}
     if not all(t.values()):
         return {"ok": False, "why": "a timing run is missing"}
@@ -391,6 +436,12 @@ def compare(results, out_dir: str) -> dict:
         out["prefix-tp2-fas"] = prefix_check(results)
     if "tp2-fas-time-plain" in results:
         out["decode-step-vs-context"] = time_check(results)
+    for prefix in ("tp2-fas-mtp-time", "pcp2-fms-time"):  # with MTP k=2; under PCP=2
+        if f"{prefix}-plain" in results:
+            out[f"decode-step-vs-context-{prefix}"] = time_check(results, prefix)
+    for x, ranks, cap in (("pcp2", 2, 1.95), ("pcp2tp2", 4, 3.9)):
+        if any(n.startswith(f"{x}-fms-") for n in results):
+            pcp_checks(out, results, x, ranks, cap, floors["fms"], mtp_floors["fms"])
     if {"tp2-fms-vllmdcp", "tp2-fms-mtp-vllmdcp", "tp2-fms-mtp-shard-full",
             "tp2-fms-mtp-shard"} & set(results):
         # vLLM's own DCP (CuteDSL) beside cp_kv
@@ -422,6 +473,46 @@ def compare(results, out_dir: str) -> dict:
         if c:  # the floor of the same model declared as DeepSeek-V3.2
             verdict(c, floors["fas"])
     return out
+
+
+def pcp_checks(out: dict, results, x: str, ranks: int, cap: float, floor: dict | None,
+               mtp_floor: dict | None) -> None:
+    """Sharding over PCP layout ``x`` (FLASHMLA_SPARSE fp8_ds_mla, the
+    shard-aware path): graphs against vLLM's own ``x`` unsharded (where it
+    did not run: vLLM's PCP=2, named in ``base``), within the floor of two
+    unsharded layouts (TP=2 against TP=1), capacity, owned writes, and beside
+    TP=1 unsharded; the eager debug run's invariants and the graphs run beside
+    it; MTP k=2 (eager: the row spec-pcp-graphs) against unsharded MTP (TP=2,
+    else TP=1) within the MTP model's floor."""
+    base = next((b for b in (f"{x}-fms-plain", "pcp2-fms-plain") if onegpu._ok(results, b)),
+                f"{x}-fms-plain")
+    for key, run in ((f"{x}-fms-shard-graphs", f"{x}-fms-shard"),
+                     (f"{x}-fms-eager-debug", f"{x}-fms-debug")):
+        c = onegpu.pair(out, key, results, run, base, ranks, cap)
+        if not c:
+            continue
+        c["base"] = base
+        c["floor_tp2_vs_tp1_unsharded"] = floor
+        c["vs_tp1_unsharded"] = onegpu.agree(results, run, "tp1-fms-plain")
+        c["base_vs_tp1"] = onegpu.agree(results, base, "tp1-fms-plain")
+        verdict(c, floor, cap)
+        if run.endswith("debug"):
+            c["ok"] = c["ok"] and c["debug_invariants_hold"]
+        else:
+            c["vs_eager_debug"] = onegpu.agree(results, run, f"{x}-fms-debug")
+    run = f"{x}-fms-mtp-eager"
+    mtp_base = next((b for b in ("tp2-fms-mtp-plain", "tp1-fms-mtp-plain")
+                     if onegpu._ok(results, b)), "tp2-fms-mtp-plain")
+    if run in results:
+        # capacity beside unsharded MTP (one rank's KV either way)
+        m = onegpu.pair(out, f"{x}-fms-mtp2-eager", results, run, mtp_base, ranks, cap)
+        if m:
+            m["base"] = mtp_base
+            mtp_rows(m, results[run])
+            m["floor_tp2_vs_tp1_unsharded"] = mtp_floor
+            verdict(m, mtp_floor, cap)
+            m["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode")
+                                  for v in (mtp_base, run)}
 
 
 def mtp_rows(c: dict, run: dict) -> None:
@@ -481,10 +572,35 @@ def plot_vllm_dcp(plt, out_dir: str, t: dict) -> None:
     save_figure(fig, os.path.join(out_dir, "sparse_vllm_dcp.png"))
 
 
+def plot_agreement(plt, out_dir: str, cks: dict) -> None:
+    """Each sharded check that ran: where its tokens first part from its
+    unsharded base (mean over the prompts) beside the floor's, and its
+    capacity ratio."""
+    rows = [(k, c) for k, c in cks.items() if "agreement" in c and c.get("floor_tp2_vs_tp1_unsharded")]
+    if not rows:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(11, 0.5 * len(rows) + 1.8))
+    y = range(len(rows))
+    ax[0].barh([i + 0.2 for i in y], [c["agreement"]["mean_first_diff"] for _, c in rows],
+               height=0.4, label="sharded against its unsharded base")
+    ax[0].barh([i - 0.2 for i in y],
+               [c["floor_tp2_vs_tp1_unsharded"]["mean_first_diff"] for _, c in rows],
+               height=0.4, label="floor: unsharded TP=2 against TP=1")
+    ax[0].set(xlabel="mean first differing token (of 32)", title="tokens (higher: later)")
+    ax[0].set_yticks(list(y), [k for k, _ in rows])
+    ax[0].legend(fontsize=7)
+    ax[1].barh(list(y), [c["capacity_ratio"] for _, c in rows])
+    ax[1].set(xlabel="KV capacity over unsharded", title="capacity")
+    ax[1].set_yticks(list(y), ["" for _ in rows])
+    save_figure(fig, os.path.join(out_dir, "agreement.png"))
+
+
 def plot(out_dir: str, cks: dict) -> None:
     plt = pyplot(optional=True)
     if plt is not None and "ms_per_step" in (cks.get("decode-step-vs-vllm-dcp") or {}):
         plot_vllm_dcp(plt, out_dir, cks["decode-step-vs-vllm-dcp"])
+    if plt is not None:
+        plot_agreement(plt, out_dir, cks)
     t = cks.get("decode-step-vs-context") or {}
     if plt is None or "ms_per_step" not in t:
         return

@@ -594,6 +594,16 @@ def run_waves(llm, prompts_, sp, a, res):
     turns = _turns(ids, a, llm) if a.turns else None
     res["waves"] = []
     outs = None
+    if a.warmup_tokens:  # one unrelated cold prompt first, not a wave: the
+        # engine's first long prefill (lazy allocations, first kernel calls)
+        # is not charged to wave 1
+        warm = token_prompts([a.warmup_tokens], llm.llm_engine.vllm_config.model_config
+                             .get_vocab_size(), seed=4321)
+        start = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=x) for x in warm], sp)
+        res["warmup_seconds"] = time.perf_counter() - start
+        if a.stats:  # not counted in wave 1's statistics
+            llm.collective_rpc("cp_kv_stats", kwargs={"reset": True})
     for k in range(a.waves):
         if turns is not None:  # a conversation: each wave the last one's prompt + a turn
             later = turns[k - 1] if k else first
@@ -688,6 +698,9 @@ def main() -> None:
     ap.add_argument("--turns", action="store_true",
                     help="with --waves: each wave appends a turn of 200-800 tokens to the "
                          "last wave's prompts (a multi-turn conversation)")
+    ap.add_argument("--warmup-tokens", type=int, default=0,
+                    help="waves: one cold prompt of this many random tokens before wave 1, "
+                         "not timed as a wave")
     ap.add_argument("--series", action="store_true",
                     help="each prompt alone, three waves each: cold, with a new suffix "
                          "(a prefix hit of the whole prompt), the same again "

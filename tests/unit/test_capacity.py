@@ -163,9 +163,10 @@ def test_sparse_capacity_at_deepseek_v32_shapes(tmp_path, n, goal):
     """DeepSeek-V3.2 (fp8_ds_mla latent 656 B + indexer 132 B a token, 61
     layers, block 64, 64 GiB, 131,072 tokens, 256 sequences): on the
     shard-aware sparse path (vLLM 0.34, TP) the plugin reserves no scratch,
-    so N ranks hold N times the tokens, by hand; the materializing path's
-    whole view (vLLM 0.32, PCP, decode "materialize") falls short of the
-    goal: the negative control."""
+    so N ranks hold N times the tokens, by hand, over TP and over PCP (with
+    fp8_ds_mla: vLLM 0.34's PCP + DCP sparse layers); the materializing
+    path's whole view (vLLM 0.32, PCP with a bf16 cache, decode
+    "materialize") falls short of the goal: the negative control."""
     got = capacity_json(tmp_path, "--tp", str(n), "--kv-cache-dtype", "fp8_ds_mla",
                         config=DSV32)
     page, budget, layers = 64 * (656 + 132), 64 * 2**30, 61
@@ -178,4 +179,6 @@ def test_sparse_capacity_at_deepseek_v32_shapes(tmp_path, n, goal):
     assert whole["ratio"] < goal and whole["scratch_blocks"] > 0
     pcp = capacity_json(tmp_path, "--pcp", str(n), "--tp", "1", "--kv-cache-dtype", "fp8_ds_mla",
                         config=DSV32)
-    assert pcp["scratch_blocks"] == whole["scratch_blocks"]  # PCP: still materializing
+    assert pcp["scratch_blocks"] == 0 and pcp["sharded"] == got["sharded"]
+    bf16 = capacity_json(tmp_path, "--pcp", str(n), "--tp", "1", config=DSV32)
+    assert bf16["scratch_blocks"] > 0 and bf16["ratio"] < goal  # PCP, bf16: materializing

@@ -88,15 +88,19 @@ def test_one_rank_is_left_alone():
     assert local.tolist() == [[3, 1, -1]]
 
 
-@pytest.mark.parametrize("release,pcp,decode,want", [
-    ((0, 34), 1, "lse", True), ((0, 32), 1, "lse", False), ((0, 34), 2, "lse", False),
-    ((0, 34), 1, "materialize", False)])
-def test_the_path_is_chosen_by_release_pcp_and_decode(release, pcp, decode, want):
+@pytest.mark.parametrize("release,pcp,decode,cache,want", [
+    ((0, 34), 1, "lse", "auto", True), ((0, 32), 1, "lse", "auto", False),
+    ((0, 34), 2, "lse", "auto", False), ((0, 34), 2, "lse", "fp8_ds_mla", True),
+    ((0, 32), 2, "lse", "fp8_ds_mla", False), ((0, 34), 2, "materialize", "fp8_ds_mla", False),
+    ((0, 34), 1, "materialize", "auto", False), ((0, 34), 1, "lse", "fp8_ds_mla", True)])
+def test_the_path_is_chosen_by_release_pcp_cache_and_decode(release, pcp, decode, cache, want):
+    """PCP takes the shard-aware path only with fp8_ds_mla (vLLM 0.34's PCP +
+    DCP sparse prefill reads the context through the fp8_ds_mla upconvert)."""
     from vllm_cp_kv.integration.checks import sparse_shard_aware
     from vllm_cp_kv.integration.options import CPKVOptions
 
     assert sparse_shard_aware(CPKVOptions(enable=True, decode=decode), pcp,
-                              release=release) is want
+                              release=release, kv_cache_dtype=cache) is want
 
 
 def _builder(base_init_threshold=256):

@@ -212,11 +212,15 @@ def test_row_sparse_graphs(dsv32_model, monkeypatch):
     assert sparse_shard_aware(on, 1, release=(0, 34))
     assert not sparse_shard_aware(on, 1, release=(0, 32))
     assert not sparse_shard_aware(on, 2, release=(0, 34))
+    assert sparse_shard_aware(on, 2, release=(0, 34), kv_cache_dtype="fp8_ds_mla")
     assert not sparse_shard_aware(CPKVOptions(enable=True, decode="materialize"), 1,
                                   release=(0, 34))
     monkeypatch.setattr(checks, "_before_034", lambda release: None)  # read as 0.34
     args = EngineArgs(model=dsv32_model, tensor_parallel_size=2, enforce_eager=False)
     check_engine_args(args, on)  # the shard-aware path: graphs admitted
+    args = EngineArgs(model=dsv32_model, tensor_parallel_size=1, enforce_eager=False,
+                      prefill_context_parallel_size=2, kv_cache_dtype="fp8_ds_mla")
+    check_engine_args(args, on)  # PCP with fp8_ds_mla: the shard-aware path too
     for kw, opts in (({"prefill_context_parallel_size": 2, "tensor_parallel_size": 1}, on),
                      ({}, CPKVOptions(enable=True, decode="materialize"))):
         args = EngineArgs(model=dsv32_model, enforce_eager=False,

@@ -176,7 +176,8 @@ def _check_model_args(args, options: CPKVOptions):
     sparse = _sparse(model_config)
     check_kv_cache_dtype(str(getattr(args, "kv_cache_dtype", None) or "auto"), sparse)
     if sparse and _on_gpu() and not args.enforce_eager:
-        check_sparse_graphs(options, args.prefill_context_parallel_size)
+        check_sparse_graphs(options, args.prefill_context_parallel_size,
+                            str(getattr(args, "kv_cache_dtype", None) or "auto"))
     if options.prefetch and sparse:
         raise CPKVConfigError(
             "cp_kv: prefetch is for dense MLA models; a sparse-attention model reads "
@@ -252,18 +253,19 @@ def derive_query_replication(args, pcp: int, options: CPKVOptions) -> None:
     args.dcp_q_replicate = True
 
 
-def check_sparse_graphs(options: CPKVOptions, pcp: int) -> None:
+def check_sparse_graphs(options: CPKVOptions, pcp: int, kv_cache_dtype: str = "auto") -> None:
     """A sparse-attention model in CUDA graphs (GPU, no ``--enforce-eager``)."""
-    if not sparse_shard_aware(options, pcp):
+    if not sparse_shard_aware(options, pcp, kv_cache_dtype=kv_cache_dtype):
         # the materializing path: vLLM would run it PIECEWISE (the sharded
         # builders declare no full-graph support), but no such run has been
         # checked; under PCP vLLM 0.32 refuses graphs for sparse MLA itself
         raise CPKVConfigError(
             "cp_kv: CUDA graphs with a sparse-attention (DeepSeek-V3.2) model on the "
-            "materializing path (vLLM before 0.34, PCP, or cp_kv.decode='materialize': "
-            "its decode reads a full view planned per batch) have not been verified; "
-            "add --enforce-eager, or use vLLM 0.34 with TP and the default decode "
-            "(the shard-aware sparse path, docs/sparse.md), or disable cp_kv.")
+            "materializing path (vLLM before 0.34, PCP with a bf16 cache, or "
+            "cp_kv.decode='materialize': its decode reads a full view planned per batch) "
+            "have not been verified; add --enforce-eager, or use vLLM 0.34 with the "
+            "default decode and TP, or PCP with --kv-cache-dtype fp8_ds_mla (the "
+            "shard-aware sparse path, docs/sparse.md), or disable cp_kv.")
 
 
 def _graph_mode_name(compilation_config) -> str | None:
@@ -276,12 +278,17 @@ def _graph_mode_name(compilation_config) -> str | None:
 
 
 def sparse_shard_aware(options: CPKVOptions, pcp: int,
-                       release: tuple[int, int] | None = None) -> bool:
+                       release: tuple[int, int] | None = None,
+                       kv_cache_dtype: str = "auto") -> bool:
     """A sparse model's layers take the shard-aware path (``sparse_dcp.py``):
-    vLLM 0.34 or later, sharding over TP (PCP keeps the materializing path,
-    ``sparse.py``), the default ``cp_kv.decode``. The same rule as
-    ``sparse_dcp.shard_aware_sparse`` on the engine args."""
-    return _before_034(release) is None and pcp == 1 and options.decode == "lse"
+    vLLM 0.34 or later and the default ``cp_kv.decode``; sharding over TP,
+    or over PCP (and PCP x TP) with an ``fp8_ds_mla`` cache: vLLM 0.34's
+    PCP + DCP sparse layers are FLASHMLA_SPARSE's, whose prefill rows read
+    the context through the fp8_ds_mla upconvert (it refuses other caches);
+    PCP with a bf16 cache keeps the materializing path (``sparse.py``). The
+    same rule as ``sparse_dcp.shard_aware_sparse`` on the engine args."""
+    return (_before_034(release) is None and options.decode == "lse"
+            and (pcp == 1 or str(kv_cache_dtype) == "fp8_ds_mla"))
 
 
 def _before_034(release: tuple[int, int] | None) -> tuple[int, int] | None:

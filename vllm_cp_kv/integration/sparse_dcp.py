@@ -52,8 +52,9 @@ logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
 def shard_aware_sparse(vllm_config) -> bool:
     """Whether a sparse model's layers take the shard-aware path: vLLM 0.34
-    or later on GPU (its DCP sparse layers), sharding over TP (PCP keeps the
-    materializing path for now: docs/sparse.md), and the default
+    or later on GPU (its DCP sparse layers), sharding over TP, or over PCP
+    with an ``fp8_ds_mla`` cache (vLLM's PCP + DCP sparse layers; PCP with
+    bf16 keeps the materializing path: docs/sparse.md), and the default
     ``cp_kv.decode`` (``"materialize"`` keeps the whole-view path). The
     startup checks apply the same rule (``checks.sparse_shard_aware``)."""
     from . import vllm_api
@@ -65,7 +66,7 @@ def shard_aware_sparse(vllm_config) -> bool:
             and bool(getattr(hf, "index_topk", None))
             and sparse_shard_aware(options_of(vllm_config),
                                    vllm_config.parallel_config.prefill_context_parallel_size,
-                                   release))
+                                   release, str(vllm_config.cache_config.cache_dtype)))
 
 
 def merge_dcp_topk_global(logits: torch.Tensor, topk_indices: torch.Tensor,

@@ -60,9 +60,11 @@ def chunked_context(layout: dict, a) -> bool:
 
 
 def shard_aware_sparse(layout: dict, a) -> bool:
-    """A sparse model on the shard-aware path (vLLM 0.34, TP, the default
-    decode: ``checks.sparse_shard_aware``): no scratch view at all."""
-    return bool(layout["indexer"]) and a.decode != "materialize" and a.pcp == 1
+    """A sparse model on the shard-aware path (vLLM 0.34, the default decode,
+    TP or PCP with fp8_ds_mla: ``checks.sparse_shard_aware``): no scratch
+    view at all."""
+    return (bool(layout["indexer"]) and a.decode != "materialize"
+            and (a.pcp == 1 or a.kv_cache_dtype == "fp8_ds_mla"))
 
 
 def scratch_kind(layout: dict, a) -> str:
