@@ -13,6 +13,9 @@ and the plugin sharded with the context read ``gathered``, ``owned`` and
 * ``turns``: 4 conversations of 30K-100K tokens, 8 waves, each appending a
   turn of 200-800 tokens (``run_vllm.py --turns``); every wave's time is one
   turn's first token (4 requests at once).
+* ``hitswarm``, ``turnswarm``: the same after one unrelated cold prompt of
+  20,000 tokens (``run_vllm.py --warmup-tokens``), so that the engine's
+  first long prefill is not charged to the first cold wave (not yet run);
 * ``steps``: the decode step of 8 requests at 2K and 60K tokens
   (``run_vllm.py --time-decode``), for the README's table against DCP.
 

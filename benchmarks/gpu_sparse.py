@@ -440,7 +440,7 @@ def compare(results, out_dir: str) -> dict:
         if f"{prefix}-plain" in results:
             out[f"decode-step-vs-context-{prefix}"] = time_check(results, prefix)
     for x, ranks, cap in (("pcp2", 2, 1.95), ("pcp2tp2", 4, 3.9)):
-        if any(n.startswith(f"{x}-fms-") for n in results):
+        if {f"{x}-fms-shard", f"{x}-fms-debug", f"{x}-fms-mtp-eager"} & set(results):
             pcp_checks(out, results, x, ranks, cap, floors["fms"], mtp_floors["fms"])
     if {"tp2-fms-vllmdcp", "tp2-fms-mtp-vllmdcp", "tp2-fms-mtp-shard-full",
             "tp2-fms-mtp-shard"} & set(results):
@@ -508,11 +508,22 @@ def pcp_checks(out: dict, results, x: str, ranks: int, cap: float, floor: dict |
         m = onegpu.pair(out, f"{x}-fms-mtp2-eager", results, run, mtp_base, ranks, cap)
         if m:
             m["base"] = mtp_base
-            mtp_rows(m, results[run])
+            mtp_rows(m, results[run])  # latent rows, with drafts past the kept tokens
+            m["indexer_blocks_ok"] = indexer_blocks_ok(m)
+            m["owned_writes_ok"] = m["owned_writes_ok"] and m["indexer_blocks_ok"]
             m["floor_tp2_vs_tp1_unsharded"] = mtp_floor
+            m["floor_is_the_mtp_models"] = mtp_floor is not floor
             verdict(m, mtp_floor, cap)
             m["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode")
                                   for v in (mtp_base, run)}
+
+
+def indexer_blocks_ok(c: dict) -> bool:
+    """Each rank wrote exactly its owned indexer blocks (``pair``'s counts;
+    with MTP the latent rows are checked apart, :func:`mtp_rows`)."""
+    want = c.get("owned_blocks_expected")
+    got = [[x for w, x in layers if w == checks.INDEXER_ROW] for layers in c.get("written") or []]
+    return bool(want) and len(got) == len(want) and all(g == [w] for g, w in zip(got, want))
 
 
 def mtp_rows(c: dict, run: dict) -> None:

@@ -140,9 +140,12 @@ def sparse_pair(x: str, lay: list, k: str) -> dict:
 # sparse MLA (both backends) under PCP=2 and PCP=2 x TP=2 against vLLM's
 # own, with the debug switch; eager: vLLM 0.32 refuses CUDA graphs with
 # sparse MLA under PCP ("MRV2 sparse MLA PCP does not support CUDA graphs
-# yet"), sharded or not
+# yet"), sharded or not. On vLLM 0.34 the fms pairs (fp8_ds_mla) take the
+# shard-aware path (benchmarks/gpu_sparse.py's sa-pcp has its graphs runs)
+# and the fas pairs (bf16) the materializing one; pcp2tp2-fas (not yet run)
+# is the materializing path under PCP x TP
 SPARSE_RUNS = {**sparse_pair("pcp2", PCP2, "fas"), **sparse_pair("pcp2", PCP2, "fms"),
-               **sparse_pair("pcp2tp2", PCP2TP2, "fms")}
+               **sparse_pair("pcp2tp2", PCP2TP2, "fms"), **sparse_pair("pcp2tp2", PCP2TP2, "fas")}
 
 
 def chunked(x: str, lay: list) -> dict:

@@ -726,6 +726,9 @@ def main() -> None:
                     help="--time-decode: comma-separated contexts, one timing each")
     ap.add_argument("--dcp", type=int, default=1, help="vLLM's own DCP (no plugin)")
     a = ap.parse_args()
+    if a.warmup_tokens >= a.max_model_len:
+        ap.error(f"--warmup-tokens {a.warmup_tokens} must be below --max-model-len "
+                 f"{a.max_model_len} (the warm-up prompt gets one new token)")
     if a.series:
         a.waves = 3 * len(a.token_prompts.split(","))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

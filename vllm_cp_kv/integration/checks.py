@@ -261,7 +261,7 @@ def check_sparse_graphs(options: CPKVOptions, pcp: int, kv_cache_dtype: str = "a
         # checked; under PCP vLLM 0.32 refuses graphs for sparse MLA itself
         raise CPKVConfigError(
             "cp_kv: CUDA graphs with a sparse-attention (DeepSeek-V3.2) model on the "
-            "materializing path (vLLM before 0.34, PCP with a bf16 cache, or "
+            "materializing path (vLLM before 0.34, PCP with a cache other than fp8_ds_mla, or "
             "cp_kv.decode='materialize': its decode reads a full view planned per batch) "
             "have not been verified; add --enforce-eager, or use vLLM 0.34 with the "
             "default decode and TP, or PCP with --kv-cache-dtype fp8_ds_mla (the "
@@ -285,7 +285,9 @@ def sparse_shard_aware(options: CPKVOptions, pcp: int,
     or over PCP (and PCP x TP) with an ``fp8_ds_mla`` cache: vLLM 0.34's
     PCP + DCP sparse layers are FLASHMLA_SPARSE's, whose prefill rows read
     the context through the fp8_ds_mla upconvert (it refuses other caches);
-    PCP with a bf16 cache keeps the materializing path (``sparse.py``). The
+    PCP with any other cache (bf16; ``fp8``, which vLLM serves as fp8_ds_mla
+    but its PCP + DCP layers refuse by name) keeps the materializing path
+    (``sparse.py``). The
     same rule as ``sparse_dcp.shard_aware_sparse`` on the engine args."""
     return (_before_034(release) is None and options.decode == "lse"
             and (pcp == 1 or str(kv_cache_dtype) == "fp8_ds_mla"))

@@ -32,7 +32,8 @@ What vLLM lacks, and this module adds:
 
 Nothing else of the plugin's per-batch machinery runs for these layers: no
 plan, no scratch view, no indexer wrapper (that is the materializing path,
-``sparse.py``, kept for vLLM 0.32 and ``cp_kv.decode = "materialize"``).
+``sparse.py``, kept for vLLM 0.32, PCP with a cache other than
+``fp8_ds_mla``, and ``cp_kv.decode = "materialize"``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def shard_aware_sparse(vllm_config) -> bool:
     """Whether a sparse model's layers take the shard-aware path: vLLM 0.34
     or later on GPU (its DCP sparse layers), sharding over TP, or over PCP
     with an ``fp8_ds_mla`` cache (vLLM's PCP + DCP sparse layers; PCP with
-    bf16 keeps the materializing path: docs/sparse.md), and the default
+    another cache keeps the materializing path: docs/sparse.md), and the default
     ``cp_kv.decode`` (``"materialize"`` keeps the whole-view path). The
     startup checks apply the same rule (``checks.sparse_shard_aware``)."""
     from . import vllm_api
