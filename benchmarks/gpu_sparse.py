@@ -508,19 +508,13 @@ def pcp_checks(out: dict, results, x: str, ranks: int, cap: float, floor: dict |
         m = onegpu.pair(out, f"{x}-fms-mtp2-eager", results, run, mtp_base, ranks, cap)
         if m:
             m["base"] = mtp_base
-            mtp_rows(m, results[run])  # latent rows, with drafts past the kept tokens
-            m["indexer_blocks_ok"] = indexer_blocks_ok(m)
-            m["owned_writes_ok"] = m["owned_writes_ok"] and m["indexer_blocks_ok"]
-            m["floor_tp2_vs_tp1_unsharded"] = mtp_floor
             m["floor_is_the_mtp_models"] = mtp_floor is not floor
-            verdict(m, mtp_floor, cap)
-            m["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode")
-                                  for v in (mtp_base, run)}
+            mtp_verdict(m, results, run, mtp_base, mtp_floor, None, cap)
 
 
 def indexer_blocks_ok(c: dict) -> bool:
     """Each rank wrote exactly its owned indexer blocks (``pair``'s counts;
-    with MTP the latent rows are checked apart, :func:`mtp_rows`)."""
+    with MTP the latent rows apart, :func:`mtp_rows`)."""
     want = c.get("owned_blocks_expected")
     got = [[x for w, x in layers if w == checks.INDEXER_ROW] for layers in c.get("written") or []]
     return bool(want) and len(got) == len(want) and all(g == [w] for g, w in zip(got, want))
@@ -529,25 +523,28 @@ def indexer_blocks_ok(c: dict) -> bool:
 def mtp_rows(c: dict, run: dict) -> None:
     """With MTP the exact count ``pair`` checks does not hold (drafts are
     written past the tokens kept): the latent rows each rank wrote, checked
-    as for the dense model (``gpu_onegpu.mtp_rows_ok``)."""
+    as for the dense model (``gpu_onegpu.mtp_rows_ok``), and the indexer
+    blocks exactly (:func:`indexer_blocks_ok`)."""
     c["written_rows"] = [[n for width, n in layers if width != checks.INDEXER_ROW]
                          for layers in c.get("written") or []]
-    c["owned_writes_ok"] = onegpu.mtp_rows_ok(c, run)
+    c["indexer_blocks_ok"] = indexer_blocks_ok(c)
+    c["owned_writes_ok"] = onegpu.mtp_rows_ok(c, run) and c["indexer_blocks_ok"]
 
 
 def mtp_verdict(c: dict, results, run: str, base: str, floor: dict | None,
-                eager: str) -> None:
-    """A sharded MTP run ``run`` against unsharded MTP ``base``: its latent
-    rows (:func:`mtp_rows`), tokens within the MTP model's ``floor``, the
-    draft counters; the eager debug run ``eager`` must hold its checks, and
-    every other run is set beside it (a stale captured plan shows as graphs
-    parting from eager)."""
+                eager: str | None, capacity: float = 1.95) -> None:
+    """A sharded MTP run ``run`` against unsharded MTP ``base``: its writes
+    (:func:`mtp_rows`), tokens within the MTP model's ``floor``, capacity,
+    the draft counters; the eager debug run ``eager`` must hold its checks,
+    and every other run is set beside it (a stale captured plan shows as
+    graphs parting from eager). ``eager`` None: no debug run to set it
+    beside (MTP under PCP runs eager itself)."""
     mtp_rows(c, results[run])
     c["floor_tp2_vs_tp1_unsharded"] = floor
-    verdict(c, floor)
+    verdict(c, floor, capacity)
     if run == eager:
         c["ok"] = c["ok"] and c["debug_invariants_hold"]
-    else:
+    elif eager is not None:
         c["vs_eager_debug"] = onegpu.agree(results, run, eager)
     c["spec_counters"] = {v: (results.get(v) or {}).get("spec_decode") for v in (base, run)}
 

@@ -584,8 +584,8 @@ def run_waves(llm, prompts_, sp, a, res):
     tok = llm.get_tokenizer()
     ids = [p["prompt_token_ids"] if isinstance(p, dict) else tok.encode(p)
            for p in prompts_]
-    suffixes = token_prompts([a.suffix_len] * len(ids), llm.llm_engine.vllm_config
-                             .model_config.get_vocab_size(), seed=99)
+    vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+    suffixes = token_prompts([a.suffix_len] * len(ids), vocab, seed=99)
     first = [TokensPrompt(prompt_token_ids=x) for x in ids]
     later = [TokensPrompt(prompt_token_ids=x + y) for x, y in zip(ids, suffixes)]
     first_all, later_all = first, later
@@ -597,8 +597,7 @@ def run_waves(llm, prompts_, sp, a, res):
     if a.warmup_tokens:  # one unrelated cold prompt first, not a wave: the
         # engine's first long prefill (lazy allocations, first kernel calls)
         # is not charged to wave 1
-        warm = token_prompts([a.warmup_tokens], llm.llm_engine.vllm_config.model_config
-                             .get_vocab_size(), seed=4321)
+        warm = token_prompts([a.warmup_tokens], vocab, seed=4321)
         start = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=x) for x in warm], sp)
         res["warmup_seconds"] = time.perf_counter() - start

@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 
 from ..core.capacity import is_dense_fp8
 from .geometry import shard_group_size
-from .options import CPKVOptions
+from .options import CPKVOptions, sparse_reads_owned_blocks
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
 
@@ -174,10 +174,10 @@ def _check_model_args(args, options: CPKVOptions):
     model_config = args.create_model_config()
     check_model(model_config, options)
     sparse = _sparse(model_config)
-    check_kv_cache_dtype(str(getattr(args, "kv_cache_dtype", None) or "auto"), sparse)
+    kv_cache_dtype = str(getattr(args, "kv_cache_dtype", None) or "auto")
+    check_kv_cache_dtype(kv_cache_dtype, sparse)
     if sparse and _on_gpu() and not args.enforce_eager:
-        check_sparse_graphs(options, args.prefill_context_parallel_size,
-                            str(getattr(args, "kv_cache_dtype", None) or "auto"))
+        check_sparse_graphs(options, args.prefill_context_parallel_size, kv_cache_dtype)
     if options.prefetch and sparse:
         raise CPKVConfigError(
             "cp_kv: prefetch is for dense MLA models; a sparse-attention model reads "
@@ -281,16 +281,12 @@ def sparse_shard_aware(options: CPKVOptions, pcp: int,
                        release: tuple[int, int] | None = None,
                        kv_cache_dtype: str = "auto") -> bool:
     """A sparse model's layers take the shard-aware path (``sparse_dcp.py``):
-    vLLM 0.34 or later and the default ``cp_kv.decode``; sharding over TP,
-    or over PCP (and PCP x TP) with an ``fp8_ds_mla`` cache: vLLM 0.34's
-    PCP + DCP sparse layers are FLASHMLA_SPARSE's, whose prefill rows read
-    the context through the fp8_ds_mla upconvert (it refuses other caches);
-    PCP with any other cache (bf16; ``fp8``, which vLLM serves as fp8_ds_mla
-    but its PCP + DCP layers refuse by name) keeps the materializing path
-    (``sparse.py``). The
-    same rule as ``sparse_dcp.shard_aware_sparse`` on the engine args."""
-    return (_before_034(release) is None and options.decode == "lse"
-            and (pcp == 1 or str(kv_cache_dtype) == "fp8_ds_mla"))
+    vLLM 0.34 or later, and the layout rule of
+    ``options.sparse_reads_owned_blocks`` (the default ``cp_kv.decode``; TP,
+    or PCP with ``fp8_ds_mla``). ``sparse_dcp.shard_aware_sparse`` applies
+    it to vLLM's config, the capacity CLI its layout part."""
+    return _before_034(release) is None and sparse_reads_owned_blocks(
+        options.decode, pcp, kv_cache_dtype)
 
 
 def _before_034(release: tuple[int, int] | None) -> tuple[int, int] | None:

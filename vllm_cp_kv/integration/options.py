@@ -96,6 +96,17 @@ class CPKVOptions:
         return cls(**raw)
 
 
+def sparse_reads_owned_blocks(decode: str, pcp: int, kv_cache_dtype: str) -> bool:
+    """The layout part of the shard-aware sparse path's rule (the release is
+    ``checks.sparse_shard_aware``'s): the default ``cp_kv.decode``, and
+    sharding over TP, or over PCP (and PCP x TP) with an ``fp8_ds_mla``
+    cache. vLLM 0.34's PCP + DCP sparse layers are FLASHMLA_SPARSE's, whose
+    prefill rows read the context through the fp8_ds_mla upconvert and which
+    refuse any other cache by name (bf16; ``fp8``, which vLLM serves as
+    fp8_ds_mla): PCP with those keeps the materializing path (``sparse.py``)."""
+    return decode == "lse" and (pcp == 1 or str(kv_cache_dtype) == "fp8_ds_mla")
+
+
 def options_of(vllm_config) -> CPKVOptions:
     return CPKVOptions.from_additional_config(
         getattr(vllm_config, "additional_config", None))

@@ -22,6 +22,7 @@ import sys
 
 from ..core.capacity import is_dense_fp8, logical_capacity_tokens
 from ..integration.geometry import shard_group_size
+from ..integration.options import sparse_reads_owned_blocks
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": None}
 FP8_DS_MLA_BYTES = 656  # per token: 512 fp8 + 4 fp32 scales + 64 bf16 rope
@@ -63,8 +64,8 @@ def shard_aware_sparse(layout: dict, a) -> bool:
     """A sparse model on the shard-aware path (vLLM 0.34, the default decode,
     TP or PCP with fp8_ds_mla: ``checks.sparse_shard_aware``): no scratch
     view at all."""
-    return (bool(layout["indexer"]) and a.decode != "materialize"
-            and (a.pcp == 1 or a.kv_cache_dtype == "fp8_ds_mla"))
+    return bool(layout["indexer"]) and sparse_reads_owned_blocks(a.decode, a.pcp,
+                                                                 a.kv_cache_dtype)
 
 
 def scratch_kind(layout: dict, a) -> str:
