@@ -51,6 +51,15 @@ LAYOUTS = {  # in the order they run: the comparisons the issue asks first
     # the KV budget, 37K tokens for this 3-layer model at 4 GiB; at
     # DeepSeek-V3 shapes 1% of 8 GiB or more is already over 64K)
     "ws64k": ["--tp", "2", "--shard", "--stats", "--cp-kv", '{"workspace_tokens": 65536}'],
+    # PCP=2 (issue 51's owned path under PCP): vLLM's own PCP=2 (unsharded;
+    # its DCP does not combine with PCP for dense MLA) and the plugin's PCP=2
+    # reading the context each way
+    "pcp2": ["--tp", "1", "--pcp", "2", "--no-plugin"],
+    "pcp2-owned": ["--tp", "1", "--pcp", "2", "--shard", "--stats", "--cp-kv",
+                   '{"context_path": "owned"}'],
+    "pcp2-gathered": ["--tp", "1", "--pcp", "2", "--shard", "--stats", "--cp-kv",
+                      '{"context_path": "gathered"}'],
+    "pcp2-auto": ["--tp", "1", "--pcp", "2", "--shard", "--stats"],
 }
 # models/recall-dsv2 under TP=2 (the harness projection's shape)
 RECALL_SHAPE = dict(size=2, heads=8, width=576, v_dim=512, elt=2, layers=3)
@@ -58,8 +67,9 @@ TASKS = {  # hits: waves 32K cold, +200 (hit), again; 100K cold, +200, again
     "hits": ["--token-prompts", "32768,100000", "--series", "--suffix-len", "200"],
     # the same after one unrelated cold 20K-token prompt (the engine's first
     # long prefill not charged to the 32K cold wave), and the turns likewise
-    "hitswarm": ["--token-prompts", "32768,100000", "--series", "--suffix-len", "200",
-                 "--warmup-tokens", "20000"],
+    # (three distinct 32K prompts: three cold samples, the 1.05x bar's row)
+    "hitswarm": ["--token-prompts", "32768,32768,32768,100000", "--series",
+                 "--suffix-len", "200", "--warmup-tokens", "20000"],
     "turnswarm": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns",
                   "--warmup-tokens", "20000"],
     "turns": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns"],

@@ -140,6 +140,7 @@ def compare(results) -> dict:
     pcp_check(out, results, floor)
     prefix_check(out, results)
     chunk_check(out, results)
+    owned_check(out, results)
     materialize_check(out, results, floor)
     mtp_check(out, results)
     fp8_check(out, results)
@@ -407,6 +408,60 @@ def chunk_check(out, results) -> None:
             c["same_tokens_as_without_prefetch"] = [
                 x["tokens"] == y["tokens"] for x, y in zip(run["waves"], chunked["waves"])]
             c["ok"] = c["ok"] and all(c["same_tokens_as_without_prefetch"])
+
+
+def owned_check(out, results) -> None:
+    """The owned context under PCP and PCP x TP (issue 51): wave 2's rows
+    read owned on every rank (none in the gathered run), prefix hits, the
+    corrupted block changed wave 3; waves 1-2 against vLLM's own layout
+    within the floor of its two unsharded layouts (PCP=2 against PCP=2 x
+    TP=2); the eager debug run's invariants and owned rows."""
+    plain = {x: _ok(results, f"{x}-FM-prefix-plain") for x in ("pcp2", "pcp2tp2")}
+    floors = [agreement(a["tokens"], a["logprobs"], b["tokens"], b["logprobs"])
+              for a, b in zip(*(p["waves"][:2] for p in plain.values()))] \
+        if all(plain.values()) else None
+    for x, ranks in (("pcp2", 2), ("pcp2tp2", 4)):
+        for kind in ("owned", "gathered", "owned-debug"):
+            run = _ok(results, f"{x}-{kind}")
+            if not run:
+                continue
+            stats = [s for s in run["waves"][1]["stats"] if s]
+            rows = [s["owned_context_rows"] for s in stats]
+            hits = [w.get("prefix_cache_hits") for w in run["waves"]]
+            debug = kind.endswith("debug")
+            c = out[f"owned-{x}-{kind}"] = {
+                "owned_rows_wave2": rows, "hits": hits,
+                "chunks_wave2": [s["max_context_chunks"] for s in stats],
+                "corruption_changed_wave3": None if debug else
+                run["waves"][2]["tokens"] != run["waves"][1]["tokens"]}
+            reads_owned = (min(rows) > 0) if kind != "gathered" else (max(rows) == 0)
+            c["ok"] = (len(stats) == ranks and reads_owned and hits[1] > 0
+                       and (debug or c["corruption_changed_wave3"]))
+            if debug:
+                c["debug_invariants_hold"] = run.get("debug_invariants_hold")
+                c["ok"] = c["ok"] and bool(run.get("debug_invariants_hold"))
+                graphs = _ok(results, f"{x}-owned")
+                if graphs:
+                    c["graphs_vs_eager_debug"] = [
+                        agreement(a["tokens"], a["logprobs"], b["tokens"], b["logprobs"])
+                        for a, b in zip(graphs["waves"][:2], run["waves"][:2])]
+                continue
+            if plain[x]:
+                same = [agreement(a["tokens"], a["logprobs"], b["tokens"], b["logprobs"])
+                        for a, b in zip(run["waves"][:2], plain[x]["waves"][:2])]
+                c["agreement_vs_vllm"] = same
+                c["capacity_ratio"] = round(run["capacity_tokens"]
+                                            / plain[x]["capacity_tokens"], 3)
+                if floors:
+                    c["floor_pcp2_vs_pcp2tp2"] = floors
+                    c["within_noise_floor"] = all(within_floor(a, f)
+                                                  for a, f in zip(same, floors))
+                    c["ok"] = c["ok"] and c["within_noise_floor"]
+        both = _ok(results, f"{x}-owned"), _ok(results, f"{x}-gathered")
+        if all(both) and f"owned-{x}-owned" in out:
+            out[f"owned-{x}-owned"]["agreement_vs_gathered"] = [
+                agreement(a["tokens"], a["logprobs"], b["tokens"], b["logprobs"])
+                for a, b in zip(both[0]["waves"][:2], both[1]["waves"][:2])]
 
 
 def mtp_check(out, results) -> None:

@@ -272,10 +272,30 @@ PD_RUNS = {
         "CPKV_TEST_HOOKS": "1", "CPKV_TEST_IGNORE_POSITIONS": "1"}),
 }
 
+# the owned context under PCP and PCP x TP (issue 51): wave 2's prefix hits
+# (24 new tokens over up to 8K cached) read their context owned, split over
+# the PCP ranks (FLASHMLA, graphs); the same sharded layout reading it
+# gathered; vLLM's own PCP=2 and PCP=2 x TP=2 (the two unsharded layouts:
+# the floor); eager with the debug switch in two waves
+FM = ["--backend", "FLASHMLA"]
+OWNED = ["--cp-kv", '{"context_path": "owned"}']
+GATHERED = ["--cp-kv", '{"context_path": "gathered"}']
+OWNED_RUNS = {
+    **{f"{x}-{name}": run("dense8", lay, FM, WAVES, *parts)
+       for x, lay in (("pcp2", PCP2), ("pcp2tp2", PCP2TP2))
+       for name, parts in (("owned", (GRAPHS, SHARD_WAVES, OWNED)),
+                           ("gathered", (GRAPHS, SHARD_WAVES, GATHERED)),
+                           ("FM-prefix-plain", (GRAPHS, PLAIN_WAVES)))},
+    **{f"{x}-owned-debug": run("dense8", lay, FM, WAVES, [
+        "--shard", "--waves", "2", "--poison", "--stats"], OWNED, env=DEBUG)
+       for x, lay in (("pcp2", PCP2), ("pcp2tp2", PCP2TP2))},
+}
+
 SECTIONS = {"graphs": GRAPH_RUNS, "tp4": TP4_RUNS, "materialize": MATERIALIZE_RUNS,
             "pcp": PCP_RUNS, "sparse": SPARSE_RUNS, "prefix": PREFIX_RUNS, "mtp": MTP_RUNS,
             "fp8": FP8_RUNS, "fp8-pcp": FP8_PCP_RUNS, "fp8-refs": FP8_REF_RUNS,
-            "fp8-triton": FP8_TRITON_RUNS, "fp8-chunk": FP8_CHUNK_RUNS, "pd": PD_RUNS}
+            "fp8-triton": FP8_TRITON_RUNS, "fp8-chunk": FP8_CHUNK_RUNS, "pd": PD_RUNS,
+            "owned": OWNED_RUNS}
 
 # The groups of earlier leases, by name, for the commands in their results
 # folders' README.md (which say what each lease ran and why)

@@ -145,6 +145,21 @@ MUTATIONS = [
     ("vllm_cp_kv/integration/sparse_dcp.py",
      "        if self.reorder_batch_threshold is not None and supports_spec_as_decode:",
      "        if False:", "tests/unit/test_sparse_dcp.py"),
+    # the owned context under PCP (issue 51): the merge's head blocks in
+    # TP-major order (a rank gets another PCP rank's tokens), a replicated
+    # request's piece attended once per PCP rank, a piece's context without
+    # the earlier pieces' new tokens
+    ("vllm_cp_kv/core/context.py",
+     "    o = out[dst].view(p, m, h, v).transpose(0, 1).reshape(m, p * h, v)",
+     "    o = out[dst].view(p, m, h, v).permute(1, 2, 0, 3).reshape(m, p * h, v)",
+     "tests/unit/test_context_pcp.py"),
+    ("vllm_cp_kv/core/context.py",
+     "            k = first.get(g) if bool(replicated[g]) else None",
+     "            k = None", "tests/unit/test_context_pcp.py"),
+    ("vllm_cp_kv/integration/context.py",
+     "    local = owned_token_count(ctx[pieces.req] + pieces.offset, spec).to(torch.int32)",
+     "    local = owned_token_count(ctx[pieces.req], spec).to(torch.int32)",
+     "tests/unit/test_context_pcp.py"),
 ]
 
 # the suite's share: a decode buffer rewritten in place, the PCP mask's

@@ -51,19 +51,27 @@ class Threads:
                                received=got)
 
 
+def stored(lengths, n, gen, num_blocks):
+    """Each row's latent of ``lengths[i]`` tokens stored on its owners:
+    ``(block table, latents, the ranks' caches)``."""
+    cols = max(1, max(-(-(-(-x // BS)) // n) for x in lengths))
+    table = (torch.randperm(num_blocks - 1, generator=gen)[: len(lengths) * cols] + 1
+             ).view(len(lengths), cols)
+    lat = [torch.randn(c, L + ROPE, generator=gen, dtype=torch.float64) for c in lengths]
+    caches = [torch.zeros(num_blocks, BS, L + ROPE, dtype=torch.float64) for _ in range(n)]
+    for i, seq in enumerate(lat):
+        for pos in range(seq.shape[0]):
+            rank, slot = stored_at(pos, table[i].tolist(), BS, n)
+            caches[rank][slot // BS, slot % BS] = seq[pos]
+    return table, lat, caches
+
+
 def batch(n, ctx_lens, q_lens, num_decodes=1, seed=0, num_blocks=256):
     """A batch (``num_decodes`` one-token rows first), every row's context
     latent stored on its owners, queries of all heads, weights."""
     gen = torch.Generator().manual_seed(seed)
     rows = len(ctx_lens)
-    cols = max(1, max(-(-(-(-x // BS)) // n) for x in ctx_lens))
-    table = (torch.randperm(num_blocks - 1, generator=gen)[: rows * cols] + 1).view(rows, cols)
-    ctx = [torch.randn(c, L + ROPE, generator=gen, dtype=torch.float64) for c in ctx_lens]
-    caches = [torch.zeros(num_blocks, BS, L + ROPE, dtype=torch.float64) for _ in range(n)]
-    for i, seq in enumerate(ctx):
-        for pos in range(seq.shape[0]):
-            rank, slot = stored_at(pos, table[i].tolist(), BS, n)
-            caches[rank][slot // BS, slot % BS] = seq[pos]
+    table, ctx, caches = stored(ctx_lens, n, gen, num_blocks)
     qsl = torch.tensor([0] + q_lens).cumsum(0)
     common = SimpleNamespace(query_start_loc_cpu=qsl.to(torch.int32), num_reqs=rows,
                              block_table_tensor=table.to(torch.int32))
@@ -146,17 +154,22 @@ def test_bytes_do_not_grow_with_the_context():
     assert counts[0] == counts[1] and counts[0][0] > 0, counts
 
 
-def test_a_dropped_rank_partial_changes_the_output(monkeypatch):
-    common, ctx, caches, q, w_uk, w_uv, _ = batch(2, CTX, QL)
-    good, _ = run_owned(2, common, caches, q, w_uk, w_uv, CTX)
+def drop_partial(monkeypatch, rank: int) -> None:
+    """The torch merge from now on ignores shard rank ``rank``'s partial."""
     inner = merge.merge_by_lse
 
     def drop(outs, lses):
         lses = lses.clone()
-        lses[1] = float("-inf")
+        lses[rank] = float("-inf")
         return inner(outs, lses)
 
     monkeypatch.setattr(merge, "merge_by_lse", drop)
+
+
+def test_a_dropped_rank_partial_changes_the_output(monkeypatch):
+    common, ctx, caches, q, w_uk, w_uv, _ = batch(2, CTX, QL)
+    good, _ = run_owned(2, common, caches, q, w_uk, w_uv, CTX)
+    drop_partial(monkeypatch, 1)
     bad, _ = run_owned(2, common, caches, q, w_uk, w_uv, CTX)
     assert not torch.allclose(good[0][0], bad[0][0])
 

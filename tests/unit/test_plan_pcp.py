@@ -130,8 +130,10 @@ def test_the_builders_pcp_chunks_are_the_same_on_every_rank(name):
         step = PCPStep(keys=keys, seq_lens=total, is_prefill=prefilling, row_keys=row_keys)
         inputs = SimpleNamespace(spec=spec(n, rank), debug=False, pool_blocks=2 * n)
         local_columns = max(-(-(reads + 1) // BS) for _, reads in rows)
-        _, full, _, chunks, local = _plan_pcp(inputs, step, state_table[row_keys],
-                                              len(rows), True, local_columns, True)
+        common = SimpleNamespace(block_table_tensor=state_table[row_keys], num_reqs=len(rows))
+        _, full, _, chunks, local, owned = _plan_pcp(inputs, step, common, 0, True,
+                                                     local_columns, True, None)
+        assert owned is None
         assert full.shape[0] == len(rows) and local.shape[0] == len(rows)
         per_rank.append(chunks)
     for chunks in per_rank[1:]:

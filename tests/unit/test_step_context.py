@@ -43,12 +43,13 @@ def pcp_manager(monkeypatch):
     runner = SimpleNamespace(cp_kv_runtime=_runtime())
     mgr = object.__new__(last_token.bound_manager_cls(runner, pcp.CPKVPCPManager))
     mgr.device = torch.device("cpu")
-    mgr.pcp_world_size = 2
+    mgr.pcp_world_size, mgr.dcp_world_size, mgr.pcp_rank = 2, 2, 0
+    mgr.shard_decode_requests = False
     mgr._input_buffers = SimpleNamespace(is_padding=torch.zeros(6, dtype=torch.bool))
     mgr._global_batch = SimpleNamespace(
         num_reqs=2, num_scheduled_tokens=np.array([9, 1]),
         idx_mapping_np=np.array([4, 7]), num_computed_tokens_np=np.array([0, 30]),
-        is_prefilling_np=np.array([True, False]))
+        is_prefilling_np=np.array([True, False]), query_start_loc_np=np.array([0, 9, 10]))
     return mgr, runner.cp_kv_runtime
 
 
@@ -67,6 +68,10 @@ def test_a_pcp_step_reaches_the_statistics(pcp_manager, sample_inside_step):
         mgr.partition_batch(None, None)
         assert batch.pcp_step is not None and batch.pcp_step.keys.tolist() == [4, 7]
         assert batch.pcp_step.seq_lens.tolist() == [9, 31]
+        # vLLM's own split (its manager's methods): the decode first, the
+        # 9-token prefill too short for 4 chunks, so whole on both ranks
+        assert batch.pcp_step.segments == [[(1, 0, 1), (0, 0, 9)]] * 2
+        assert batch.pcp_step.replicated.tolist() == [True, True]
         assert batch.padding[1].tolist() == [False] * 6 + [False] * 4 + [True] * 2
         _build(runtime)
         if sample_inside_step:  # vLLM's dummy runs: execute and sample in one call

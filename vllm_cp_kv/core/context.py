@@ -25,6 +25,12 @@ sequence on every rank (``ownership.owned_token_count``), so a decode
 kernel runs on it unchanged with the row's ``q`` queries as ``q * H``
 query heads and no causal mask (:func:`padded_rows`): every new token sees
 every context token, the new tokens' own attention is vLLM's.
+
+Under PCP a row's new tokens are split over the PCP ranks in pieces, each
+seeing every token before it (:func:`pcp_pieces`); the pieces' queries are
+all-gathered over the shard group (:func:`exchange_queries`) and each
+token's merged output returns to its rank in the merge's reduce-scatter
+(:func:`output_layout`): the same three collectives.
 """
 
 from __future__ import annotations
@@ -119,3 +125,110 @@ def padded_rows(query_start: torch.Tensor, query_lens: torch.Tensor) -> PaddedRo
     valid = slot[None, :] < query_lens[:, None]
     index = torch.where(valid, query_start[:, None] + slot[None, :], 0)
     return PaddedRows(index=index.flatten(), valid=valid.flatten(), width=s)
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """PCP: the owned rows' query tokens are split over the PCP ranks
+    (vLLM's DualChunkSwap: each rank runs two pieces of a prefill, or the
+    whole of a short one). Every rank attends with every piece's queries to
+    its own context tokens, so the queries are all-gathered over the shard
+    group and each partial output goes back to the rank that holds its
+    token (:func:`exchange_queries`, :func:`output_layout`).
+
+    ``dst`` ``[P * M]``: the padded slot (``PaddedRows``) of the ``m``-th
+    token each PCP rank sends (rank-major; past a rank's tokens, slot 0,
+    whose result is dropped); ``count``: the tokens this rank sends."""
+
+    dst: torch.Tensor
+    pcp: int
+    width: int  # M: the most tokens one PCP rank sends
+    count: int
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """The owned rows' pieces under PCP: ``req`` / ``offset`` / ``length``
+    ``[R]`` (host) the global request, first new token and token count of
+    each piece attended once (a replicated request's piece: PCP rank 0's);
+    ``padded``: their queries as ``[R, S]`` slots, ``index`` into the
+    PCP-gathered queries (``[P * M]``, rank-major); ``exchange``; ``rows``
+    (host): this rank's local rows that hold pieces, in send order."""
+
+    req: torch.Tensor
+    offset: torch.Tensor
+    length: torch.Tensor
+    padded: PaddedRows
+    exchange: Exchange
+    rows: list
+
+
+def pcp_pieces(segments: list, chosen: torch.Tensor, replicated, pcp_rank: int) -> Pieces:
+    """The pieces of the ``chosen`` global requests (host ``[G]`` bool).
+    ``segments[r]``: PCP rank ``r``'s local rows in order, each ``(global
+    request, query offset, length)`` (vLLM's split, the same on every rank);
+    ``replicated[g]``: every PCP rank runs request ``g`` whole (its piece is
+    attended once, from rank 0's copy)."""
+    sends = [[(int(g), int(o), int(n), j) for j, (g, o, n) in enumerate(seg)
+              if bool(chosen[int(g)])] for seg in segments]
+    width = max((sum(s[2] for s in send) for send in sends), default=0)
+    pieces, first, where = [], {}, []
+    for r, send in enumerate(sends):
+        m, mine = 0, []
+        for g, o, n, _ in send:
+            k = first.get(g) if bool(replicated[g]) else None
+            if k is None:
+                k = len(pieces)
+                pieces.append((g, o, n, r * width + m))
+                if bool(replicated[g]):
+                    first[g] = k
+            mine.append((k, m, n))
+            m += n
+        where.append(mine)
+    s = max((p[2] for p in pieces), default=0)
+    index = torch.zeros(len(pieces) * s, dtype=torch.long)
+    valid = torch.zeros(len(pieces) * s, dtype=torch.bool)
+    for k, (_, _, n, start) in enumerate(pieces):
+        index[k * s: k * s + n] = torch.arange(start, start + n)
+        valid[k * s: k * s + n] = True
+    dst = torch.zeros(len(segments) * width, dtype=torch.long)
+    for r, mine in enumerate(where):
+        for k, m, n in mine:
+            dst[r * width + m: r * width + m + n] = torch.arange(k * s, k * s + n)
+    col = (lambda i: torch.tensor([p[i] for p in pieces], dtype=torch.long))
+    return Pieces(req=col(0), offset=col(1), length=col(2),
+                  padded=PaddedRows(index=index, valid=valid, width=s),
+                  exchange=Exchange(dst=dst, pcp=len(segments), width=width,
+                                    count=sum(n for _, _, n in where[pcp_rank])),
+                  rows=[j for *_, j in sends[pcp_rank]])
+
+
+def exchange_queries(all_gather, mq: torch.Tensor, ex: Exchange, index: torch.Tensor
+                     ) -> torch.Tensor:
+    """Every piece's queries of all heads, ``[R * S, H, D]``, from this
+    rank's ``mq`` ``[count, H / T, D]`` (its sent tokens, its TP rank's
+    heads): one all-gather over the shard group of ``N = P x T`` ranks,
+    numbered PCP-major (``pcp_rank * T + tp_rank``, vLLM 0.34's shard
+    rank), then ``index`` (``Pieces.padded.index``, on the device)."""
+    send = mq.new_zeros((ex.width,) + tuple(mq.shape[1:]))
+    send[: ex.count] = mq
+    parts = all_gather(send, dim=0)  # [N * M, H / T, D]
+    tp = parts.shape[0] // (ex.pcp * ex.width)
+    hl, d = mq.shape[1:]
+    parts = parts.view(ex.pcp, tp, ex.width, hl, d).transpose(1, 2)
+    return parts.reshape(ex.pcp * ex.width, tp * hl, d)[index]
+
+
+def output_layout(out: torch.Tensor, lse: torch.Tensor, ex: Exchange, dst: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial outputs ``out [R * S, H, V]`` and LSEs ``[R * S, H]`` laid
+    out for a merge that reduce-scatters over heads (``cp_lse_ag_out_rs``,
+    ``merge.combine``): ``[M, P * H, V]``, ``[M, P * H]``. Head block ``k``
+    (of ``H / T`` heads, ``k = pcp_rank * T + tp_rank``) holds PCP rank
+    ``pcp_rank``'s sent tokens and TP rank ``tp_rank``'s heads, so shard rank
+    ``k`` gets its own tokens' merged outputs of its own heads. ``dst``:
+    ``ex.dst`` on the device."""
+    m, p = ex.width, ex.pcp
+    h, v = out.shape[1], out.shape[2]
+    o = out[dst].view(p, m, h, v).transpose(0, 1).reshape(m, p * h, v)
+    return o, lse[dst].view(p, m, h).transpose(0, 1).reshape(m, p * h)

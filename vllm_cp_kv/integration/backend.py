@@ -100,9 +100,7 @@ def owned_context_enabled(vllm_config, backend_name: str, sparse: bool) -> bool:
     the chunked context on a backend, cache and layout the owned path has
     a kernel for (``context.owned_context_supported``)."""
     return chunked_context_enabled(vllm_config, backend_name, sparse) and \
-        context.owned_context_supported(
-            backend_name, str(vllm_config.cache_config.cache_dtype),
-            vllm_config.parallel_config.prefill_context_parallel_size)
+        context.owned_context_supported(backend_name, str(vllm_config.cache_config.cache_dtype))
 
 
 class ShardedBuilder:
@@ -328,12 +326,14 @@ class ShardedImpl:
         made = attn_metadata.cp_kv
         if made.reads and not made.loop:  # one gather: the whole context
             kv_c_and_k_pe_cache = self._full_view(kv_c_and_k_pe_cache, made)
-        elif made.loop and made.reads and attn_metadata.prefill.chunked_context is None:
+        elif made.loop and attn_metadata.prefill.chunked_context is None:
             # no row of this rank has a context, so vLLM skips the context
             # loop here; under PCP other ranks' rows may: join each chunk's
-            # gather (a collective) all the same
-            for k in range(len(made.chunks)):
+            # gather and the owned rows' exchange (collectives) all the same
+            for k in range(len(made.chunks) if made.reads else 0):
                 self._full_view(kv_c_and_k_pe_cache, made, chunk=k)
+            if made.owned is not None and made.owned.exchange is not None:
+                self._owned_context(q, kv_c_and_k_pe_cache, made)
         return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache,
                                    attn_metadata, k_scale, output, output_scale)
 
@@ -351,9 +351,7 @@ class ShardedImpl:
         out, lse = self._gathered_context(q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
         if made.owned is None:
             return out, lse
-        o, l = context.owned_context(self.cp_kv_runtime, made.owned, q, kv_c_and_k_pe_cache,
-                                     self.cp_kv_module(), scale=self.scale,
-                                     v_dim=self.kv_lora_rank, gpu_kernel=q.is_cuda)
+        o, l = self._owned_context(q, kv_c_and_k_pe_cache, made)
         if out is None:  # no row read gathered: the others have no context
             out = q.new_zeros(q.shape[0], q.shape[1], o.shape[-1])
             lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
@@ -363,6 +361,11 @@ class ShardedImpl:
         out[tokens, :, : o.shape[-1]] = o.to(out.dtype)
         lse[:, tokens] = l.to(lse.dtype)
         return out, lse
+
+    def _owned_context(self, q, kv_c_and_k_pe_cache, made):
+        return context.owned_context(self.cp_kv_runtime, made.owned, q, kv_c_and_k_pe_cache,
+                                     self.cp_kv_module(), scale=self.scale,
+                                     v_dim=self.kv_lora_rank, gpu_kernel=q.is_cuda)
 
     def _gathered_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale):
         """The gathered rows' context, chunk by chunk (None, None: none)."""

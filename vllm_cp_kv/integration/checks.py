@@ -369,7 +369,7 @@ def check_owned_context(context_path: str, able: bool, name: str, kv_cache_dtype
     if context_path == "owned" and not able:
         raise CPKVConfigError(
             f"cp_kv: context_path 'owned' needs a backend of {OWNED_CONTEXT_BACKENDS} "
-            f"with a 16- or 32-bit KV cache, sharding over TP (here {name}, "
+            f"with a 16- or 32-bit KV cache and the chunked context (here {name}, "
             f"kv_cache_dtype {kv_cache_dtype}, PCP {pcp}); use 'auto' or 'gathered'.")
 
 

@@ -15,9 +15,14 @@ the math and the cost model: ``core/context.py``).
   (``W_UV``). vLLM merges the result with the rows' new-token attention, as
   it merges a context chunk's.
 
+Under PCP (and PCP x TP) the rows are vLLM's PCP pieces (:func:`plan_owned_pcp`):
+each rank holds some of a row's new tokens, so the queries are all-gathered
+over the shard group and each token's merged output is reduce-scattered
+back to its rank (``core.context.Exchange``).
+
 Kernels: CPU_MLA the torch attention of ``core/decode.py``; FLASHMLA its
-own kernel (``causal=False``). Other backends, AMX_MLA, FP8 caches and PCP
-read every context gathered (``owned_context_supported``).
+own kernel (``causal=False``). Other backends, AMX_MLA and FP8 caches read
+every context gathered (``owned_context_supported``).
 """
 
 from __future__ import annotations
@@ -28,18 +33,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.context import Link, PaddedRows, choose_owned, padded_rows, row_bytes
+from ..core.context import (Exchange, Link, PaddedRows, choose_owned, exchange_queries,
+                            output_layout, padded_rows, pcp_pieces, row_bytes)
 from ..core.decode import paged_attention_with_lse
 from ..core.ownership import owned_token_count
 from .checks import OWNED_CONTEXT_BACKENDS
 from .merge import combine, merge_bytes
 
 
-def owned_context_supported(backend: str, kv_cache_dtype: str, pcp: int) -> bool:
+def owned_context_supported(backend: str, kv_cache_dtype: str) -> bool:
     """Where a prefill row may read its context owned: a backend of
-    ``checks.OWNED_CONTEXT_BACKENDS`` with a 16/32-bit cache, sharding over TP."""
+    ``checks.OWNED_CONTEXT_BACKENDS`` with a 16/32-bit cache (sharding over
+    TP, PCP or PCP x TP)."""
     return backend in OWNED_CONTEXT_BACKENDS and kv_cache_dtype in (
-        "auto", "bfloat16", "float16", "float32") and pcp == 1
+        "auto", "bfloat16", "float16", "float32")
 
 
 def measure_link(group, repeats: int = 5) -> Link:
@@ -79,6 +86,10 @@ class OwnedRows:
     local_lens: torch.Tensor  # [R] int32 device: owned context tokens of each row
     slot_lens: torch.Tensor  # [R * S] int32 device: each query slot's (0: padding)
     tokens: torch.Tensor  # [T_o] device: the prefill token of each real slot
+    # PCP: the rows' pieces are split over the PCP ranks; R rows are the
+    # pieces, whose queries are exchanged (core.context.Exchange, dst on the
+    # device); tokens: this rank's own, in the order it sends them
+    exchange: Exchange | None = None
 
 
 def plan_owned(common, num_decodes: int, context_lens: torch.Tensor, spec, *, mode: str,
@@ -111,6 +122,61 @@ def plan_owned(common, num_decodes: int, context_lens: torch.Tensor, spec, *, mo
                      tokens=index[valid])
 
 
+def plan_owned_pcp(common, num_decodes: int, step, global_table: torch.Tensor, spec, *,
+                   mode: str, max_query: int, link_of, heads: int, width: int,
+                   v_dim: int, elt: int) -> OwnedRows | None:
+    """PCP: the global requests whose context is read owned (None: none),
+    as the pieces vLLM's PCP split gave each rank (``step``: the
+    :class:`~vllm_cp_kv.integration.step.PCPStep`, the same on every rank;
+    ``global_table``: its requests' block-table rows on this rank). A
+    piece's context is every token before it, the cached ones and the new
+    ones of earlier pieces (vLLM's PCP path writes the step's new KV before
+    attention); a replicated request is one piece, run by every rank."""
+    q = torch.from_numpy(step.query_lens.astype("int64"))
+    seq = torch.from_numpy(step.seq_lens.astype("int64"))
+    prefill = torch.from_numpy(step.is_prefill.astype(bool))
+    replicated = torch.from_numpy(step.replicated.astype(bool))
+    ctx = torch.where(prefill, seq - q, 0)
+    if not bool((ctx > 0).any()):
+        return None
+    # each rank sends a replicated request's every token; gathered, the
+    # request reads its whole sequence (PCP's pieces see each other's KV)
+    cost = row_bytes(torch.where(replicated, q * step.pcp, q), seq, size=spec.size,
+                     heads=heads, width=width, v_dim=v_dim, elt=elt)
+    link = link_of() if mode == "auto" else None
+    chosen = choose_owned(q, ctx, cost, link, mode=mode, max_query=max_query)
+    if not bool(chosen.any()):
+        return None
+    pieces = pcp_pieces(step.segments, chosen, replicated, step.pcp_rank)
+    qsl = common.query_start_loc_cpu[: common.num_reqs + 1].long()
+    mine = step.segments[step.pcp_rank]
+    if len(mine) != common.num_reqs:
+        raise RuntimeError(f"cp_kv: the PCP step recorded {len(mine)} local rows but the "
+                           f"batch has {common.num_reqs}; stale step state.")
+    tokens = []
+    for j in pieces.rows:
+        n = int(qsl[j + 1] - qsl[j])
+        if j < num_decodes or n != int(mine[j][2]):
+            raise RuntimeError(f"cp_kv: local row {j} ({n} tokens) is not the prefill "
+                               f"piece the PCP step recorded ({mine[j]}).")
+        start = int(qsl[j] - qsl[num_decodes])
+        tokens.append(torch.arange(start, start + n))
+    device = common.block_table_tensor.device
+    padded = pieces.padded
+    local = owned_token_count(ctx[pieces.req] + pieces.offset, spec).to(torch.int32)
+    slot = torch.where(padded.valid, local.repeat_interleave(padded.width), 0)
+    ex = pieces.exchange
+    return OwnedRows(rows=chosen.nonzero().flatten(),
+                     padded=PaddedRows(padded.index.to(device), padded.valid.to(device),
+                                       padded.width),
+                     table=global_table[pieces.req.to(global_table.device)],
+                     local_lens=local.to(device), slot_lens=slot.to(torch.int32).to(device),
+                     tokens=torch.cat(tokens).to(device) if tokens else
+                     torch.zeros(0, dtype=torch.long, device=device),
+                     exchange=Exchange(dst=ex.dst.to(device), pcp=ex.pcp, width=ex.width,
+                                       count=ex.count))
+
+
 def owned_context(runtime, owned: OwnedRows, q: torch.Tensor, kv_cache: torch.Tensor,
                   layer, *, scale: float, v_dim: int, gpu_kernel: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,15 +184,21 @@ def owned_context(runtime, owned: OwnedRows, q: torch.Tensor, kv_cache: torch.Te
     rank's heads, up-projected) and ``lse [H_l, T_o]`` (vLLM's layout),
     for the prefill tokens ``owned.tokens``. ``q [T_p, H_l, nope + rope]``:
     the prefill tokens' queries; ``layer``: vLLM's MLA layer (``W_UK_T``,
-    ``W_UV``)."""
+    ``W_UV``). Under PCP (``owned.exchange``) the pieces' queries are
+    all-gathered over the shard group first and each rank's own tokens'
+    results come back in the merge."""
     r, s = owned.table.shape[0], owned.padded.width
+    ex = owned.exchange
     w_uk_t = layer.W_UK_T  # [H_l, nope, L]
     nope = w_uk_t.shape[1]
-    sel = q[owned.padded.index]  # [R * S, H_l, nope + rope]
+    sel = q[owned.padded.index if ex is None else owned.tokens]  # [T, H_l, nope + rope]
     absorbed = torch.bmm(sel[..., :nope].transpose(0, 1), w_uk_t).transpose(0, 1)
-    mq = torch.cat([absorbed, sel[..., nope:]], dim=-1)  # [R * S, H_l, L + rope]
+    mq = torch.cat([absorbed, sel[..., nope:]], dim=-1)  # [T, H_l, L + rope]
     split = runtime.spec.head_ranks > 1
-    if split:
+    if ex is not None:
+        mq = exchange_queries(runtime.group.all_gather, mq, ex, owned.padded.index)
+        runtime.received(mq)
+    elif split:
         mq = runtime.gather_heads(mq)  # [R * S, H, L + rope]
     heads = mq.shape[1]
     if gpu_kernel:
@@ -135,9 +207,17 @@ def owned_context(runtime, owned: OwnedRows, q: torch.Tensor, kv_cache: torch.Te
         out, lse = paged_attention_with_lse(mq.view(r, s * heads, -1), kv_cache, owned.table,
                                             owned.local_lens, scale, v_dim)
     out, lse = out.reshape(r * s, heads, v_dim), lse.reshape(r * s, heads)
-    out, lse = _merge(runtime, out, lse, owned, split)
-    valid = owned.padded.valid
-    out, lse = out[valid].to(q.dtype), lse[valid]
+    if ex is not None:
+        # the empty slots' LSE (a rank owning none of a piece's context) is
+        # masked here: the merge layout mixes pieces in one row
+        lse = lse.float().masked_fill(owned.slot_lens[:, None] == 0, float("-inf"))
+        out, lse = output_layout(out, lse, ex, ex.dst)
+        out, lse = _merge(runtime, out, lse, None, True)
+        out, lse = out[: ex.count].to(q.dtype), lse[: ex.count]
+    else:
+        out, lse = _merge(runtime, out, lse, owned.slot_lens, split)
+        valid = owned.padded.valid
+        out, lse = out[valid].to(q.dtype), lse[valid]
     up = torch.bmm(out.transpose(0, 1), layer.W_UV).transpose(0, 1)  # [T_o, H_l, V_head]
     return up, lse.transpose(0, 1).contiguous()
 
@@ -155,18 +235,20 @@ def _flashmla(mq, kv_cache, owned: OwnedRows, scale: float, v_dim: int):
     return out, lse.transpose(1, 2)  # FlashMLA's LSE is [R, H, S]
 
 
-def _merge(runtime, out, lse, owned: OwnedRows, split: bool):
+def _merge(runtime, out, lse, seq_lens, split: bool):
     """The ranks' partial outputs and LSEs merged: this rank's heads under
-    TP (reduce-scatter), all otherwise."""
+    TP (reduce-scatter), all otherwise. ``seq_lens``: each row's owned
+    tokens, whose empty rows' LSEs vLLM's GPU merge masks (None: masked)."""
     if out.is_cuda:
         from vllm.v1.attention.ops.dcp import cp_lse_ag_out_ar, cp_lse_ag_out_rs
 
-        rows = owned.slot_lens.shape[0]
-        qsl = torch.arange(rows + 1, dtype=torch.int32, device=out.device)
+        rows = out.shape[0]
+        qsl = None if seq_lens is None else torch.arange(
+            rows + 1, dtype=torch.int32, device=out.device)
         merge_gpu = cp_lse_ag_out_rs if split else cp_lse_ag_out_ar
         runtime.batch_bytes(merge_bytes(lse.numel(), v_dim=out.shape[-1],
                                         out_bytes=out.element_size(),
                                         size=runtime.spec.size, scatter=split))
         return merge_gpu(out.contiguous(), lse.float(), runtime.group, return_lse=True,
-                         seq_lens=owned.slot_lens, query_start_loc=qsl)
+                         seq_lens=seq_lens, query_start_loc=qsl)
     return combine(runtime, out, lse, split, return_lse=True)

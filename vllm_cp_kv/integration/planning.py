@@ -42,7 +42,7 @@ from ..core.decode import query_token_lens
 from ..core.ownership import CPShardSpec
 from ..core.plan import (ContextChunk, global_rows, plan_context_chunks,
                          plan_materialization, plan_split_requests)
-from .context import plan_owned
+from .context import plan_owned, plan_owned_pcp
 from .step import BatchPlan, DecodeBuffers, DecodeView, PCPStep, PlanInputs
 
 logger = init_logger("vllm." + __name__)  # under vLLM's log config
@@ -169,7 +169,7 @@ def plan_batch(inputs: PlanInputs, common, num_decodes: int, *, whole: bool,
 
     ``chunked``: the context may be read in scratch-sized chunks (the
     backend merges them by LSE); ``owned``: short prefill rows may read
-    their context owned (``context.plan_owned``'s settings; TP only).
+    their context owned (``context.plan_owned``'s settings).
     ``inputs``: the runtime's part (``ShardRuntime.plan_inputs``)."""
     batch = inputs.batch
     key = whole
@@ -186,9 +186,9 @@ def plan_batch(inputs: PlanInputs, common, num_decodes: int, *, whole: bool,
     batch.has_prefill |= num_decodes < common.num_reqs
     chunks = rows = owned_rows = None
     if batch.pcp_step is not None:
-        plan, full, lens, chunks, rows = _plan_pcp(
-            inputs, batch.pcp_step, table, common.num_reqs, lse_decode, columns,
-            chunked and pool_blocks is not None)
+        plan, full, lens, chunks, rows, owned_rows = _plan_pcp(
+            inputs, batch.pcp_step, common, num_decodes, lse_decode, columns,
+            chunked and pool_blocks is not None, owned)
     else:
         lens = read_lens(common, num_decodes, whole, lse_decode)
         if owned is not None and chunked and pool_blocks is not None:
@@ -233,14 +233,17 @@ def plan_batch(inputs: PlanInputs, common, num_decodes: int, *, whole: bool,
     return made
 
 
-def _plan_pcp(inputs: PlanInputs, step: PCPStep, table, num_reqs: int, lse_decode: bool,
-              columns: int, chunked: bool):
+def _plan_pcp(inputs: PlanInputs, step: PCPStep, common, num_decodes: int,
+              lse_decode: bool, columns: int, chunked: bool, owned: dict | None):
     """PCP: the plan of the global batch, whose rows this rank's table holds
     in its own order (``core.plan.plan_split_requests``); ``chunked``: the
     global requests' reads in scratch-sized chunks, identical on every rank
-    (each rank's rows read their parts: ``core.plan.rows_of_chunk``).
-    Returns ``(plan, local full table, lens, chunks, local rows' requests)``
-    (the last two None unless chunked)."""
+    (each rank's rows read their parts: ``core.plan.rows_of_chunk``), less
+    the requests read owned (``owned``: ``context.plan_owned_pcp``'s
+    settings). Returns ``(plan, local full table, lens, chunks, local rows'
+    requests, owned rows)`` (chunks and rows None unless chunked)."""
+    table, num_reqs = common.block_table_tensor[: common.num_reqs], common.num_reqs
+    owned_rows = None
     if len(step.row_keys) != num_reqs:
         raise RuntimeError(
             f"cp_kv: the PCP step recorded {len(step.row_keys)} local "
@@ -253,6 +256,12 @@ def _plan_pcp(inputs: PlanInputs, step: PCPStep, table, num_reqs: int, lse_decod
         chunks = rows = None
     else:
         global_table, rows = global_rows(table, step.row_keys, step.keys)
+        if owned is not None and step.segments is not None:
+            owned_rows = plan_owned_pcp(common, num_decodes, step, global_table, inputs.spec,
+                                        link_of=inputs.link_of, **owned)
+            if owned_rows is not None:  # their context is not gathered
+                lens = lens.clone()
+                lens[owned_rows.rows] = 0
         # the chunks' tables as wide as the global batch's longest request
         # (no rank's row is longer), the same on every rank
         bs = inputs.spec.block_size
@@ -268,4 +277,4 @@ def _plan_pcp(inputs: PlanInputs, step: PCPStep, table, num_reqs: int, lse_decod
             core_debug.check_plan_covers(plan, global_table, lens)
         else:
             core_debug.check_chunks_cover(chunks, global_table, lens)
-    return plan, full, lens, chunks, rows
+    return plan, full, lens, chunks, rows, owned_rows

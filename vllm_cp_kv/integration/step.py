@@ -28,6 +28,13 @@ class PCPStep:
     seq_lens: np.ndarray  # [G] tokens each request has after this step
     is_prefill: np.ndarray  # [G] bool: the request prefills in this step
     row_keys: np.ndarray  # [R_local] request-state index of each local row
+    # the owned context path (integration/context.py:plan_owned_pcp)
+    query_lens: np.ndarray | None = None  # [G] new tokens of each request
+    replicated: np.ndarray | None = None  # [G] bool: every PCP rank runs it whole
+    # per PCP rank, its local rows in order: (global request, query offset, length)
+    segments: list | None = None
+    pcp: int = 1
+    pcp_rank: int = 0
 
 
 @dataclass(frozen=True)

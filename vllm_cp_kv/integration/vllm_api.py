@@ -49,7 +49,8 @@ no.    target (vLLM 0.32)                                      how
 19     ``AttentionMetadataBuilder.get_cudagraph_support``      overrides
 20     ``PCPManager._iter_rank_chunks``, ``_hidden_restore_    calls, reads,
        idx``, ``partition_batch``, ``restore_for_sampling``,   overrides
-       ``validate_config``
+       ``validate_config``, ``_get_rank_segments``,
+       ``replicated_requests``
 21     V2 ``GPUModelRunner._dummy_run``, ``pcp_manager_cls``;  overrides
        ``Worker._make_model_runner``, ``use_v2_model_runner``
 22     AMX_MLA's ``_compute_num_kv_splits``,                   calls
@@ -304,6 +305,8 @@ REGISTRY = (
                    "vllm.v1.attention.backend:AttentionCGSupport.NEVER"),
               params=("vllm_config", "kv_cache_spec")),
     Rebinding(20, (f"{_PCP}:PCPManager._iter_rank_chunks",
+                   f"{_PCP}:PCPManager._get_rank_segments",
+                   f"{_PCP}:PCPManager.replicated_requests",
                    f"{_PCP}:PCPManager._build_batch_layout",
                    f"{_PCP}:PCPManager.partition_batch",
                    f"{_PCP}:PCPManager.restore_for_sampling",
@@ -561,6 +564,21 @@ def rank_chunks(manager, rank: int, num_scheduled, is_prefilling):
     """vLLM's PCP split of one rank: ``(request, query offset, length)``
     (item 20)."""
     return manager._iter_rank_chunks(rank, num_scheduled, is_prefilling)
+
+
+def rank_segments(manager, rank: int, num_scheduled, is_prefilling, query_start_loc
+                  ) -> list[tuple[int, int, int]]:
+    """vLLM's PCP split of one rank as its local rows, in their order:
+    ``(request, query offset, length)`` (item 20)."""
+    segments = manager._get_rank_segments(rank, num_scheduled, is_prefilling, query_start_loc)
+    return [(s.global_batch_req_idx,
+             s.global_batch_slice.start - int(query_start_loc[s.global_batch_req_idx]),
+             s.num_tokens) for s in segments]
+
+
+def replicated_requests(manager, num_scheduled, is_prefilling):
+    """Per global request, whether every PCP rank runs it whole (item 20)."""
+    return manager.replicated_requests(num_scheduled, is_prefilling)
 
 
 def hidden_restore_idx(manager):
