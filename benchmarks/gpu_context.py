@@ -175,6 +175,11 @@ def summarize(results: dict) -> dict:
         for lay, r in row.items():
             if dcp and r.get("seconds"):
                 r["over_dcp"] = [round(x / y, 3) for x, y in zip(r["seconds"], dcp)]
+            # the PCP layouts against vLLM's own PCP=2 and the gathered path
+            for base in ("pcp2", "pcp2-gathered"):
+                ref = row.get(base, {}).get("seconds")
+                if lay.startswith("pcp2-") and lay != base and ref and r.get("seconds"):
+                    r[f"over_{base}"] = [round(x / y, 3) for x, y in zip(r["seconds"], ref)]
             steps = row.get("dcp", {}).get("decode_step_s")
             if steps and r.get("decode_step_s"):
                 r["decode_over_dcp"] = {c: round(t / steps[c], 3)

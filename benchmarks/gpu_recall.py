@@ -76,6 +76,12 @@ def runs() -> dict:
     waves = LAYOUTS["tp2"] + FM + WAVES
     r["tp2-prefix-plain"] = ("recall", waves + ["--no-plugin"], True, {})
     r["tp2-prefix-shard"] = ("recall", waves + SHARD, True, {})
+    # PCP=2 with the hits' context read owned (issue 51: the pieces of each
+    # short prefill exchanged over the shard group)
+    pcp_waves = LAYOUTS["pcp2"] + FM + WAVES
+    r["pcp2-prefix-plain"] = ("recall", pcp_waves + ["--no-plugin"], True, {})
+    r["pcp2-prefix-shard"] = ("recall", pcp_waves + SHARD + [
+        "--cp-kv", '{"context_path": "owned"}'], True, {})
     r["pd-tp2-into-tp1"] = ("pd:recall", ["--prefill-tp", "2", "--prefill-pcp", "1",
                                           "--port", "6100"] + PD, True, ZCOPY)
     r["pd-pcp2-into-tp2-shard"] = ("pd:recall", ["--prefill-tp", "1", "--prefill-pcp", "2",
@@ -85,7 +91,7 @@ def runs() -> dict:
 
 
 PAIRS = [(f"{x}-shard", f"{x}-plain") for x in ("tp2", "tp4", "pcp2", "pcp2tp2", "tp2-fp8",
-                                                "tp2-prefix")]
+                                                "tp2-prefix", "pcp2-prefix")]
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -112,6 +118,10 @@ def checks(results: dict) -> dict:
         c = out[shard] = compare(a, b)
         if "prefix" in shard:  # the graded wave must have hit the cache
             c.update(prefix_hits=hits, ok=c["ok"] and bool(hits))
+            # ... and read its context owned on every rank (rows per rank)
+            stats = [x for x in (results[shard]["waves"][-1].get("stats") or []) if x]
+            c["owned_rows"] = [x.get("owned_context_rows") for x in stats]
+            c["ok"] = c["ok"] and bool(stats) and min(c["owned_rows"]) > 0
     for name in (n for n, r in runs().items() if r[0].startswith("pd")):
         rec = results.get(name, {}).get("recall")  # the decode's against the reference's
         if not rec:

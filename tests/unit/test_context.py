@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from harness.reference import stored_at
-from vllm_cp_kv.core.context import (Link, choose_owned, padded_rows, row_bytes)
+from vllm_cp_kv.core.context import (OWNED_TOKENS_PER_STEP, Link, choose_owned, padded_rows,
+                                     row_bytes)
 from vllm_cp_kv.core.ownership import CPShardSpec
 from vllm_cp_kv.integration import context, merge
 
@@ -196,6 +197,18 @@ def test_only_short_rows_with_a_context_are_candidates():
     assert context.plan_owned(common, 1, torch.tensor(CTX), CPShardSpec(0, 2, BS),
                               mode="gathered", max_query=3, link_of=None, heads=H,
                               width=L + ROPE, v_dim=L, elt=2) is None
+
+
+def test_one_step_reads_a_bounded_number_of_tokens_owned():
+    """Rows past ``OWNED_TOKENS_PER_STEP * max_query`` new tokens (in order)
+    read gathered, in every mode."""
+    q = torch.tensor([4] * 10)
+    c = torch.full((10,), 1000)
+    cost = row_bytes(q, c, size=2, heads=H, width=L + ROPE, v_dim=V, elt=2)
+    for mode, link in (("owned", None), ("auto", Link(1e-9, 1e12))):
+        got = choose_owned(q, c, cost, link, mode=mode, max_query=4)
+        assert got.tolist() == [True] * OWNED_TOKENS_PER_STEP + [False] * (
+            10 - OWNED_TOKENS_PER_STEP), mode
 
 
 def test_padded_rows_index_every_token_once():

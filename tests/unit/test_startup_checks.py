@@ -133,11 +133,11 @@ def test_row_owned_context():
     "gathered" are never refused (they read gathered there)."""
     from vllm_cp_kv.integration import checks
 
-    checks.check_owned_context("owned", True, "FLASHMLA", "auto", 1)  # accepted
+    checks.check_owned_context("owned", True, "FLASHMLA", "auto")  # accepted
     for path in ("auto", "gathered"):
-        checks.check_owned_context(path, False, "TRITON_MLA", "fp8", 2)
+        checks.check_owned_context(path, False, "TRITON_MLA", "fp8")
     with pytest.raises(ValueError) as info:
-        checks.check_owned_context("owned", False, "TRITON_MLA", "auto", 1)
+        checks.check_owned_context("owned", False, "TRITON_MLA", "auto")
     assert any(m in str(info.value) for m in DOC["owned-context"])
 
 

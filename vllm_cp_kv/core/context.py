@@ -63,6 +63,11 @@ class RowCost:
 
 
 OWNED_COLLECTIVES = 3  # query all-gather, LSE all-gather, output reduce-scatter
+# the rows read owned in one step hold at most this many times
+# ``max_query`` new tokens (in order; the rest read gathered): each rank
+# holds their partial outputs of all heads, transient memory that vLLM's
+# profile run does not see
+OWNED_TOKENS_PER_STEP = 8
 
 
 def row_bytes(query_lens: torch.Tensor, context_lens: torch.Tensor, *, size: int,
@@ -81,7 +86,8 @@ def choose_owned(query_lens: torch.Tensor, context_lens: torch.Tensor, cost: Row
                  link: Link, *, mode: str = "auto", max_query: int = 512) -> torch.Tensor:
     """Rows (host ``[R]`` bool) whose context is read owned.
 
-    Candidates: rows with a context and at most ``max_query`` new tokens.
+    Candidates: rows with a context and at most ``max_query`` new tokens,
+    together at most ``OWNED_TOKENS_PER_STEP * max_query`` (the first ones).
     ``mode`` "owned" takes every candidate, "gathered" none; "auto" the
     cheapest of three choices by ``link``: each candidate the way that moves
     fewer bytes for it, none, all (ties: fewer owned rows). The gathered
@@ -91,6 +97,8 @@ def choose_owned(query_lens: torch.Tensor, context_lens: torch.Tensor, cost: Row
         raise ValueError(f"context path must be one of {CONTEXT_PATHS}, got {mode!r}")
     has_context = context_lens > 0
     cand = has_context & (query_lens <= max_query) & (query_lens > 0)
+    budget = OWNED_TOKENS_PER_STEP * max_query
+    cand &= torch.cumsum(torch.where(cand, query_lens, 0), 0) <= budget
     if mode != "auto" or not bool(cand.any()):
         return cand if mode == "owned" else torch.zeros_like(cand)
 

@@ -173,8 +173,7 @@ class ShardedBuilder:
         options = options_of(vllm_config)
         able = owned_context_enabled(vllm_config, name, self.cp_kv_sparse)
         check_owned_context(options.context_path, able, name,
-                            str(vllm_config.cache_config.cache_dtype),
-                            vllm_config.parallel_config.prefill_context_parallel_size)
+                            str(vllm_config.cache_config.cache_dtype))
         if not able or options.context_path == "gathered":
             return None
         model = vllm_config.model_config

@@ -360,8 +360,8 @@ def check_fp8_backend(name: str, kv_cache_dtype: str, sparse: bool, pcp: int) ->
             f"{' or '.join(PCP_FP8_BACKENDS)}, shard over TP, or --kv-cache-dtype auto.")
 
 
-def check_owned_context(context_path: str, able: bool, name: str, kv_cache_dtype: str,
-                        pcp: int) -> None:
+def check_owned_context(context_path: str, able: bool, name: str, kv_cache_dtype: str
+                        ) -> None:
     """Checked when the workers make the metadata builders: ``cp_kv.
     context_path: "owned"`` where no prefill row can read its context owned
     (``able``: ``backend.owned_context_enabled``; docs/context.md, "Where the
@@ -370,7 +370,7 @@ def check_owned_context(context_path: str, able: bool, name: str, kv_cache_dtype
         raise CPKVConfigError(
             f"cp_kv: context_path 'owned' needs a backend of {OWNED_CONTEXT_BACKENDS} "
             f"with a 16- or 32-bit KV cache and the chunked context (here {name}, "
-            f"kv_cache_dtype {kv_cache_dtype}, PCP {pcp}); use 'auto' or 'gathered'.")
+            f"kv_cache_dtype {kv_cache_dtype}); use 'auto' or 'gathered'.")
 
 
 def check_scratch_cap(blocks: int, cap: int, one_request: int) -> None:

@@ -147,6 +147,10 @@ def plan_owned_pcp(common, num_decodes: int, step, global_table: torch.Tensor, s
     chosen = choose_owned(q, ctx, cost, link, mode=mode, max_query=max_query)
     if not bool(chosen.any()):
         return None
+    if spec.rank // (spec.size // step.pcp) != step.pcp_rank:
+        raise RuntimeError(
+            f"cp_kv: shard rank {spec.rank} of {spec.size} is not PCP rank {step.pcp_rank}'s "
+            "(the owned context's exchange needs pcp_rank * TP + tp_rank, vLLM 0.34's).")
     pieces = pcp_pieces(step.segments, chosen, replicated, step.pcp_rank)
     qsl = common.query_start_loc_cpu[: common.num_reqs + 1].long()
     mine = step.segments[step.pcp_rank]
@@ -196,8 +200,12 @@ def owned_context(runtime, owned: OwnedRows, q: torch.Tensor, kv_cache: torch.Te
     mq = torch.cat([absorbed, sel[..., nope:]], dim=-1)  # [T, H_l, L + rope]
     split = runtime.spec.head_ranks > 1
     if ex is not None:
-        mq = exchange_queries(runtime.group.all_gather, mq, ex, owned.padded.index)
-        runtime.received(mq)
+        def all_gather(x, dim):  # counted as received (``[N * M, H / T, D]``)
+            out = runtime.group.all_gather(x, dim=dim)
+            runtime.received(out)
+            return out
+
+        mq = exchange_queries(all_gather, mq, ex, owned.padded.index)
     elif split:
         mq = runtime.gather_heads(mq)  # [R * S, H, L + rope]
     heads = mq.shape[1]
