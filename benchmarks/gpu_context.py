@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 
 import torch
 
@@ -70,6 +71,10 @@ TASKS = {  # hits: waves 32K cold, +200 (hit), again; 100K cold, +200, again
     # (three distinct 32K prompts: three cold samples, the 1.05x bar's row)
     "hitswarm": ["--token-prompts", "32768,32768,32768,100000", "--series",
                  "--suffix-len", "200", "--warmup-tokens", "20000"],
+    # ... and eight distinct 32K prompts, two of 100K: the median cold ratio
+    # against DCP per length (one sample varies 0.14-0.21 s on the harness)
+    "colds": ["--token-prompts", ",".join(["32768"] * 8 + ["100000"] * 2), "--series",
+              "--suffix-len", "200", "--warmup-tokens", "20000"],
     "turnswarm": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns",
                   "--warmup-tokens", "20000"],
     "turns": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns"],
@@ -184,6 +189,15 @@ def summarize(results: dict) -> dict:
             if steps and r.get("decode_step_s"):
                 r["decode_over_dcp"] = {c: round(t / steps[c], 3)
                                         for c, t in r["decode_step_s"].items() if c in steps}
+        if "--series" in TASKS[task]:  # the cold waves' median ratio per length
+            lens = [int(x) for x in TASKS[task][TASKS[task].index("--token-prompts") + 1]
+                    .split(",")]
+            for r in row.values():
+                if r.get("over_dcp"):
+                    r["cold_median_over_dcp"] = {
+                        n: statistics.median(r["over_dcp"][3 * i]
+                                             for i, m in enumerate(lens) if m == n)
+                        for n in sorted(set(lens))}
         out[task] = row
     return out
 

@@ -61,6 +61,24 @@ def _build(runtime):
     batch.bytes += 100
 
 
+def test_a_prefill_over_a_cached_context_records_every_ranks_pieces(pcp_manager):
+    """vLLM's own split (its manager's methods) of each PCP rank, for the
+    owned context path: the decode first, then the 40-token prefill over 64
+    cached tokens in 4 chunks of 10 (rank 0: chunks 0 and 3)."""
+    mgr, runtime = pcp_manager
+    g = mgr._global_batch
+    g.num_scheduled_tokens, g.num_computed_tokens_np = np.array([40, 1]), np.array([64, 30])
+    g.query_start_loc_np = np.array([0, 40, 41])
+    with runtime.step() as batch:
+        mgr.partition_batch(None, None)
+        step = batch.pcp_step
+        assert step.seq_lens.tolist() == [104, 31] and step.query_lens.tolist() == [40, 1]
+        assert step.segments == [[(1, 0, 1), (0, 0, 10), (0, 30, 10)],
+                                 [(1, 0, 1), (0, 10, 10), (0, 20, 10)]]
+        assert step.replicated.tolist() == [False, True]
+        assert (step.pcp, step.pcp_rank) == (2, 0)
+
+
 @pytest.mark.parametrize("sample_inside_step", [True, False])
 def test_a_pcp_step_reaches_the_statistics(pcp_manager, sample_inside_step):
     mgr, runtime = pcp_manager
@@ -68,10 +86,8 @@ def test_a_pcp_step_reaches_the_statistics(pcp_manager, sample_inside_step):
         mgr.partition_batch(None, None)
         assert batch.pcp_step is not None and batch.pcp_step.keys.tolist() == [4, 7]
         assert batch.pcp_step.seq_lens.tolist() == [9, 31]
-        # vLLM's own split (its manager's methods): the decode first, the
-        # 9-token prefill too short for 4 chunks, so whole on both ranks
-        assert batch.pcp_step.segments == [[(1, 0, 1), (0, 0, 9)]] * 2
-        assert batch.pcp_step.replicated.tolist() == [True, True]
+        # a cold prefill and a decode: no owned context, no split recorded
+        assert batch.pcp_step.segments is None
         assert batch.padding[1].tolist() == [False] * 6 + [False] * 4 + [True] * 2
         _build(runtime)
         if sample_inside_step:  # vLLM's dummy runs: execute and sample in one call

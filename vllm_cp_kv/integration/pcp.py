@@ -149,19 +149,24 @@ class CPKVPCPManager(LastTokenPCPManager):
             return local
         batch = runtime.batch()  # the open step (the worker's, or a dummy run's)
         prefilling = np.asarray(g.is_prefilling_np[:n], dtype=bool).copy()
-        qsl = np.asarray(g.query_start_loc_np)
+        computed = np.asarray(g.num_computed_tokens_np[:n])
+        segments = replicated = None
+        if bool((prefilling & (computed > 0)).any()):
+            # every rank's pieces, for the owned context path
+            # (context.plan_owned_pcp): only a prefill over a cached context
+            # may read it owned, so other steps (decodes) skip the split
+            qsl = np.asarray(g.query_start_loc_np)
+            replicated = np.asarray(vllm_api.replicated_requests(self, sched[:n], prefilling),
+                                    dtype=bool)
+            segments = [vllm_api.rank_segments(self, r, sched[:n], prefilling, qsl)
+                        for r in range(self.pcp_world_size)]
         batch.pcp_step = PCPStep(
             keys=np.asarray(g.idx_mapping_np[:n]).copy(),
-            seq_lens=(np.asarray(g.num_computed_tokens_np[:n])
-                      + sched[:n]).astype(np.int64),
+            seq_lens=(computed + sched[:n]).astype(np.int64),
             is_prefill=prefilling,
             row_keys=np.asarray(local.idx_mapping_np[: local.num_reqs]).copy(),
-            query_lens=sched[:n].astype(np.int64),
-            replicated=np.asarray(vllm_api.replicated_requests(self, sched[:n], prefilling),
-                                  dtype=bool),
-            segments=[vllm_api.rank_segments(self, r, sched[:n], prefilling, qsl)
-                      for r in range(self.pcp_world_size)],
-            pcp=self.pcp_world_size, pcp_rank=self.pcp_rank)
+            query_lens=sched[:n].astype(np.int64), replicated=replicated,
+            segments=segments, pcp=self.pcp_world_size, pcp_rank=self.pcp_rank)
         batch.padding = self.cp_kv_padding
         return local
 
