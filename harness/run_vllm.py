@@ -574,6 +574,16 @@ def _turns(ids, a, llm) -> list:
     return out
 
 
+def series_wave(k: int, first_all: list, later_all: list) -> list:
+    """``--series`` wave ``k``: prompt ``k // 3`` alone, cold; then it with
+    the suffix (a hit of the prompt, the suffix's tokens new); then that
+    again (a hit of all but its last partial cache unit). Before 2026-12-07
+    every prompt after the first was sent with its suffix in all three
+    waves (its cold wave ``suffix`` tokens longer, both hits repeats)."""
+    i, step = divmod(k, 3)
+    return [first_all[i]] if step == 0 else [later_all[i]]
+
+
 def run_waves(llm, prompts_, sp, a, res):
     """Wave 1: the prompts; every later wave: each prompt with the same new
     suffix of ``--suffix-len`` tokens (a long shared prefix), after the wave
@@ -606,18 +616,14 @@ def run_waves(llm, prompts_, sp, a, res):
     for k in range(a.waves):
         if turns is not None:  # a conversation: each wave the last one's prompt + a turn
             later = turns[k - 1] if k else first
-        if a.series:  # prompt k // 3 alone: cold, + suffix, + suffix again
-            i, step = divmod(k, 3)
-            first = [first_all[i]]
-            later = [later_all[i]]
-            if step:
-                first = later
+        wave = series_wave(k, first_all, later_all) if a.series else \
+            (first if k == 0 else later)
         if k == a.waves - 1 and a.corrupt_between_waves:
             res["corrupted_block"] = llm.collective_rpc(
                 _corrupt_one_owned_block, args=(0, a.corrupt_index))
         before = prefix_cache_counters(llm)
         start = time.perf_counter()
-        outs = llm.generate(first if k == 0 else later, sp)
+        outs = llm.generate(wave, sp)
         seconds = time.perf_counter() - start
         after = prefix_cache_counters(llm)
         res["waves"].append({**summarize(outs), "seconds": seconds, **{

@@ -43,3 +43,15 @@ def test_without_the_wrapper_the_zeroed_rows_count():
         c.fill_(run_vllm._sentinel(c))
     worker.model_runner.kv_block_zeroer.zero_block_ids([2])
     assert [w[1:] for w in run_vllm._written(worker)] == [[4, 1], [4, 1]]
+
+
+def test_a_series_sends_each_prompt_cold_then_with_its_suffix_twice():
+    """``--series`` (the first-token benchmark's hits, benchmarks/gpu_context.py):
+    every prompt's first wave is the prompt alone (cold), its next two the
+    prompt with the suffix. Negative control: the waves before the fix sent
+    prompts after the first with their suffix in the cold wave too."""
+    first, later = ["a", "b"], ["a+s", "b+s"]
+    waves = [run_vllm.series_wave(k, first, later) for k in range(6)]
+    assert waves == [["a"], ["a+s"], ["a+s"], ["b"], ["b+s"], ["b+s"]]
+    before = [[later[k // 3]] if k else [first[0]] for k in range(6)]  # the old rule
+    assert before != waves and before[3] == ["b+s"]
