@@ -119,8 +119,8 @@ MUTATIONS = [
     # of the context, only short rows with a context, the gathered side's
     # collective in the cost model
     ("vllm_cp_kv/integration/context.py",
-     "    local = owned_token_count(ctx[rows], spec).to(torch.int32)",
-     "    local = ctx[rows].to(torch.int32)", "tests/unit/test_context.py"),
+     "                       owned_token_count(ctx[rows], spec))",
+     "                       ctx[rows])", "tests/unit/test_context.py"),
     ("vllm_cp_kv/core/context.py",
      "    cand = has_context & (query_lens <= max_query) & (query_lens > 0)",
      "    cand = has_context & (query_lens > 0)", "tests/unit/test_context.py"),
@@ -157,8 +157,8 @@ MUTATIONS = [
      "            k = first.get(g) if bool(replicated[g]) else None",
      "            k = None", "tests/unit/test_context_pcp.py"),
     ("vllm_cp_kv/integration/context.py",
-     "    local = owned_token_count(ctx[pieces.req] + pieces.offset, spec).to(torch.int32)",
-     "    local = owned_token_count(ctx[pieces.req], spec).to(torch.int32)",
+     "                       owned_token_count(ctx[pieces.req] + pieces.offset, spec),",
+     "                       owned_token_count(ctx[pieces.req], spec),",
      "tests/unit/test_context_pcp.py"),
     # ... and one step's owned rows unbounded (their all-head partials)
     ("vllm_cp_kv/core/context.py",

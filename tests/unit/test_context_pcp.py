@@ -159,7 +159,9 @@ def test_pcp_pieces_send_every_token_once_and_attend_replicated_ones_once():
     assert a.req.tolist().count(1) == 1 and a.req.tolist().count(2) == 4
     # every padded slot's source is a distinct sent token
     src = a.padded.index[a.padded.valid]
-    assert len(set(src.tolist())) == src.numel() == int(a.length.sum())
+    once = sum(n for r, seg in enumerate(segments) for g, _, n in seg
+               if chosen[g] and (r == 0 or not replicated[g]))  # replicated: rank 0's
+    assert len(set(src.tolist())) == src.numel() == once
     # every sent token's destination slot holds that token
     m = a.exchange.width
     for r, pr in enumerate(pieces):

@@ -156,16 +156,15 @@ class Exchange:
 
 @dataclass(frozen=True)
 class Pieces:
-    """The owned rows' pieces under PCP: ``req`` / ``offset`` / ``length``
-    ``[R]`` (host) the global request, first new token and token count of
-    each piece attended once (a replicated request's piece: PCP rank 0's);
+    """The owned rows' pieces under PCP: ``req`` / ``offset`` ``[R]`` (host)
+    the global request and first new token of each piece attended once (a
+    replicated request's piece: the first rank's that runs it);
     ``padded``: their queries as ``[R, S]`` slots, ``index`` into the
     PCP-gathered queries (``[P * M]``, rank-major); ``exchange``; ``rows``
     (host): this rank's local rows that hold pieces, in send order."""
 
     req: torch.Tensor
     offset: torch.Tensor
-    length: torch.Tensor
     padded: PaddedRows
     exchange: Exchange
     rows: list
@@ -176,7 +175,7 @@ def pcp_pieces(segments: list, chosen: torch.Tensor, replicated, pcp_rank: int) 
     ``segments[r]``: PCP rank ``r``'s local rows in order, each ``(global
     request, query offset, length)`` (vLLM's split, the same on every rank);
     ``replicated[g]``: every PCP rank runs request ``g`` whole (its piece is
-    attended once, from rank 0's copy)."""
+    attended once, from the first rank's copy)."""
     sends = [[(int(g), int(o), int(n), j) for j, (g, o, n) in enumerate(seg)
               if bool(chosen[int(g)])] for seg in segments]
     width = max((sum(s[2] for s in send) for send in sends), default=0)
@@ -204,7 +203,7 @@ def pcp_pieces(segments: list, chosen: torch.Tensor, replicated, pcp_rank: int) 
         for k, m, n in mine:
             dst[r * width + m: r * width + m + n] = torch.arange(k * s, k * s + n)
     col = (lambda i: torch.tensor([p[i] for p in pieces], dtype=torch.long))
-    return Pieces(req=col(0), offset=col(1), length=col(2),
+    return Pieces(req=col(0), offset=col(1),
                   padded=PaddedRows(index=index, valid=valid, width=s),
                   exchange=Exchange(dst=dst, pcp=len(segments), width=width,
                                     count=sum(n for _, _, n in where[pcp_rank])),
@@ -227,16 +226,16 @@ def exchange_queries(all_gather, mq: torch.Tensor, ex: Exchange, index: torch.Te
     return parts.reshape(ex.pcp * ex.width, tp * hl, d)[index]
 
 
-def output_layout(out: torch.Tensor, lse: torch.Tensor, ex: Exchange, dst: torch.Tensor
+def output_layout(out: torch.Tensor, lse: torch.Tensor, ex: Exchange
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The partial outputs ``out [R * S, H, V]`` and LSEs ``[R * S, H]`` laid
     out for a merge that reduce-scatters over heads (``cp_lse_ag_out_rs``,
     ``merge.combine``): ``[M, P * H, V]``, ``[M, P * H]``. Head block ``k``
     (of ``H / T`` heads, ``k = pcp_rank * T + tp_rank``) holds PCP rank
     ``pcp_rank``'s sent tokens and TP rank ``tp_rank``'s heads, so shard rank
-    ``k`` gets its own tokens' merged outputs of its own heads. ``dst``:
-    ``ex.dst`` on the device."""
-    m, p = ex.width, ex.pcp
+    ``k`` gets its own tokens' merged outputs of its own heads. ``ex.dst``
+    on ``out``'s device."""
+    m, p, dst = ex.width, ex.pcp, ex.dst
     h, v = out.shape[1], out.shape[2]
     o = out[dst].view(p, m, h, v).transpose(0, 1).reshape(m, p * h, v)
     return o, lse[dst].view(p, m, h).transpose(0, 1).reshape(m, p * h)

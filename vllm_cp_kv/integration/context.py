@@ -27,6 +27,7 @@ every context gathered (``owned_context_supported``).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -111,15 +112,28 @@ def plan_owned(common, num_decodes: int, context_lens: torch.Tensor, spec, *, mo
     if rows.numel() == 0:
         return None
     start = qsl[rows] - qsl[num_decodes]
-    padded = padded_rows(start, q[rows])
-    device = common.block_table_tensor.device
-    local = owned_token_count(ctx[rows], spec).to(torch.int32)
+    return _owned_rows(rows, padded_rows(start, q[rows]), common.block_table_tensor, rows,
+                       owned_token_count(ctx[rows], spec))
+
+
+def _owned_rows(rows, padded: PaddedRows, table: torch.Tensor, table_rows: torch.Tensor,
+                local: torch.Tensor, tokens: torch.Tensor | None = None,
+                exchange: Exchange | None = None) -> OwnedRows:
+    """:class:`OwnedRows` on ``table``'s device from the host plan:
+    ``table[table_rows]`` the rows' block-table rows, ``local`` their owned
+    context tokens; ``tokens`` (host) this rank's tokens (None: every real
+    slot's, TP); ``exchange``'s ``dst`` moved too."""
+    device = table.device
+    local = local.to(torch.int32)
     slot = torch.where(padded.valid, local.repeat_interleave(padded.width), 0)
     index, valid = padded.index.to(device), padded.valid.to(device)
+    if exchange is not None:
+        exchange = dataclasses.replace(exchange, dst=exchange.dst.to(device))
     return OwnedRows(rows=rows, padded=PaddedRows(index, valid, padded.width),
-                     table=common.block_table_tensor[rows.to(device)],
-                     local_lens=local.to(device), slot_lens=slot.to(torch.int32).to(device),
-                     tokens=index[valid])
+                     table=table[table_rows.to(device)], local_lens=local.to(device),
+                     slot_lens=slot.to(torch.int32).to(device),
+                     tokens=index[valid] if tokens is None else tokens.to(device),
+                     exchange=exchange)
 
 
 def plan_owned_pcp(common, num_decodes: int, step, global_table: torch.Tensor, spec, *,
@@ -165,20 +179,10 @@ def plan_owned_pcp(common, num_decodes: int, step, global_table: torch.Tensor, s
                                f"piece the PCP step recorded ({mine[j]}).")
         start = int(qsl[j] - qsl[num_decodes])
         tokens.append(torch.arange(start, start + n))
-    device = common.block_table_tensor.device
-    padded = pieces.padded
-    local = owned_token_count(ctx[pieces.req] + pieces.offset, spec).to(torch.int32)
-    slot = torch.where(padded.valid, local.repeat_interleave(padded.width), 0)
-    ex = pieces.exchange
-    return OwnedRows(rows=chosen.nonzero().flatten(),
-                     padded=PaddedRows(padded.index.to(device), padded.valid.to(device),
-                                       padded.width),
-                     table=global_table[pieces.req.to(global_table.device)],
-                     local_lens=local.to(device), slot_lens=slot.to(torch.int32).to(device),
-                     tokens=torch.cat(tokens).to(device) if tokens else
-                     torch.zeros(0, dtype=torch.long, device=device),
-                     exchange=Exchange(dst=ex.dst.to(device), pcp=ex.pcp, width=ex.width,
-                                       count=ex.count))
+    return _owned_rows(chosen.nonzero().flatten(), pieces.padded, global_table, pieces.req,
+                       owned_token_count(ctx[pieces.req] + pieces.offset, spec),
+                       torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long),
+                       pieces.exchange)
 
 
 def owned_context(runtime, owned: OwnedRows, q: torch.Tensor, kv_cache: torch.Tensor,
@@ -219,7 +223,7 @@ def owned_context(runtime, owned: OwnedRows, q: torch.Tensor, kv_cache: torch.Te
         # the empty slots' LSE (a rank owning none of a piece's context) is
         # masked here: the merge layout mixes pieces in one row
         lse = lse.float().masked_fill(owned.slot_lens[:, None] == 0, float("-inf"))
-        out, lse = output_layout(out, lse, ex, ex.dst)
+        out, lse = output_layout(out, lse, ex)
         out, lse = _merge(runtime, out, lse, None, True)
         out, lse = out[: ex.count].to(q.dtype), lse[: ex.count]
     else:
