@@ -40,7 +40,9 @@ from common import pyplot, save_figure, write_json
 from vllm_cp_kv.core.context import OWNED_COLLECTIVES, Link, row_bytes
 
 BASE = ["--backend", "FLASHMLA", "--max-model-len", "131200", "--max-tokens", "1",
-        "--kv-bytes", str(4 << 30), "--max-num-seqs", "4"] + onegpu.GRAPHS
+        "--kv-bytes", str(4 << 30), "--max-num-seqs", "4", "--step-times"] + onegpu.GRAPHS
+# where the ``prof`` task's torch profiler traces go, a folder per run
+PROFILE_ROOT = os.environ.get("CPKV_PROFILE_ROOT", "/tmp/cpkv-prof")
 LAYOUTS = {  # in the order they run: the comparisons the issue asks first
     "dcp": ["--tp", "2", "--dcp", "2", "--no-plugin"],
     "owned": ["--tp", "2", "--shard", "--stats", "--cp-kv", '{"context_path": "owned"}'],
@@ -75,6 +77,11 @@ TASKS = {  # hits: waves 32K cold, +200 (hit), again; 100K cold, +200, again
     # against DCP per length (one sample varies 0.14-0.21 s on the harness)
     "colds": ["--token-prompts", ",".join(["32768"] * 8 + ["100000"] * 2), "--series",
               "--suffix-len", "200", "--warmup-tokens", "20000"],
+    # the torch profiler over the second 32K cold prompt (wave 3: the first
+    # prompt's three waves warm up more), vLLM's traces per rank: where a
+    # cold prefill's time goes, step by step (benchmarks/trace_steps.py)
+    "prof": ["--token-prompts", "32768,32768", "--series", "--suffix-len", "200",
+             "--warmup-tokens", "20000", "--profile-wave", "3"],
     "turnswarm": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns",
                   "--warmup-tokens", "20000"],
     "turns": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns"],
@@ -84,10 +91,19 @@ TASKS = {  # hits: waves 32K cold, +200 (hit), again; 100K cold, +200, again
 }
 
 
+# another copy of vllm_cp_kv (a folder holding it), run as layout
+# ``variant`` (``auto``'s arguments): a change A/B'd in the same lease
+VARIANT = os.environ.get("CPKV_VARIANT")
+
+
 def runs() -> dict:
     """name -> (model, args, harness on, env), as gpu_onegpu's table."""
-    return {f"{t}-{lay}": ("recall", BASE + args + LAYOUTS[lay], True, {})
-            for t, args in TASKS.items() for lay in LAYOUTS}
+    layouts = {**LAYOUTS, **({"variant": LAYOUTS["auto"]} if VARIANT else {})}
+    return {f"{t}-{lay}": ("recall", BASE + args + layouts[lay] + (
+        ["--profile-dir", os.path.join(PROFILE_ROOT, f"{t}-{lay}")]
+        if "--profile-wave" in args else []), True,
+        {"CPKV_PACKAGE": VARIANT} if lay == "variant" else {})
+            for t, args in TASKS.items() for lay in layouts}
 
 
 def paths(waves: list) -> dict:
@@ -164,7 +180,7 @@ def summarize(results: dict) -> dict:
     out = {}
     for task in TASKS:
         row = {}
-        for lay in LAYOUTS:
+        for lay in [*LAYOUTS, "variant"]:
             res = results.get(f"{task}-{lay}") or {}
             waves = res.get("waves") or []
             if not (waves or res.get("decode_steps")):

@@ -182,6 +182,59 @@ def _count_collectives(worker):
     return sorted(wrapped) != []
 
 
+def _time_steps(worker):
+    """Time every engine step on this worker: the host seconds inside
+    ``execute_model`` and, on GPU, CUDA events at its entry and exit (read
+    by :func:`_step_times`, so no step waits for the GPU). Works with and
+    without the plugin (the comparison with vLLM's own DCP)."""
+    import torch
+
+    state = worker.__dict__.setdefault("cp_kv_step_times", [])
+    orig = worker.execute_model
+    if getattr(orig, "_cp_kv_timed", False):
+        return True
+    cuda = torch.cuda.is_available()
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        tokens = sum(scheduler_output.num_scheduled_tokens.values())
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+        if cuda:
+            marks[0].record()
+        start = time.perf_counter()
+        out = orig(scheduler_output, *args, **kwargs)
+        host = time.perf_counter() - start
+        if cuda:
+            marks[1].record()
+        if tokens:
+            state.append((tokens, start, host, marks))
+        return out
+
+    execute_model._cp_kv_timed = True
+    worker.execute_model = execute_model
+    return True
+
+
+def _step_times(worker, reset: bool = True):
+    """Per step since the last reset: ``[tokens, host start (s, relative to
+    the first), host ms in execute_model, GPU ms from its entry to its exit
+    (None on CPU), GPU ms from the first step's entry]``."""
+    import torch
+
+    state = worker.__dict__.get("cp_kv_step_times")
+    if not state:
+        return []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0, e0 = state[0][1], state[0][3]
+    rows = [[n, round(start - t0, 6), round(host * 1e3, 3),
+             round(m[0].elapsed_time(m[1]), 3) if m else None,
+             round(e0[0].elapsed_time(m[0]), 3) if m else None]
+            for n, start, host, m in state]
+    if reset:
+        state.clear()
+    return rows
+
+
 def _collective_steps(worker, reset: bool = False):
     """``[bytes, requests, pure decode]`` per step since the last reset."""
     state = worker.__dict__.get("cp_kv_collectives")
@@ -369,6 +422,9 @@ def engine_options(a) -> dict:
         kw["prefill_graph_sizes"] = [int(x) for x in a.prefill_graph_sizes.split(",") if x]
     if a.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = a.max_num_batched_tokens
+    if a.profile_dir:  # vLLM's torch profiler, started around --profile-wave
+        kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": a.profile_dir,
+                                 "torch_profiler_with_stack": False}
     if a.kv_cache_dtype:
         kw["kv_cache_dtype"] = a.kv_cache_dtype
     if a.attention_config:  # with the backend (engine_kwargs sets it from --backend)
@@ -443,6 +499,8 @@ def run(a) -> dict:
         llm.collective_rpc(_poison)
     if a.count_collectives:
         res["collectives_counted"] = llm.collective_rpc(_count_collectives)
+    if a.step_times:
+        llm.collective_rpc(_time_steps)
     if a.drop_rank is not None:
         llm.collective_rpc(_drop_rank_partial, args=(a.drop_rank,))
     if a.corrupt_after_prefill:
@@ -613,6 +671,8 @@ def run_waves(llm, prompts_, sp, a, res):
         res["warmup_seconds"] = time.perf_counter() - start
         if a.stats:  # not counted in wave 1's statistics
             llm.collective_rpc("cp_kv_stats", kwargs={"reset": True})
+        if a.step_times:
+            llm.collective_rpc(_step_times)
     for k in range(a.waves):
         if turns is not None:  # a conversation: each wave the last one's prompt + a turn
             later = turns[k - 1] if k else first
@@ -622,15 +682,22 @@ def run_waves(llm, prompts_, sp, a, res):
             res["corrupted_block"] = llm.collective_rpc(
                 _corrupt_one_owned_block, args=(0, a.corrupt_index))
         before = prefix_cache_counters(llm)
+        profiled = k == a.profile_wave
+        if profiled:
+            llm.start_profile()
         start = time.perf_counter()
         outs = llm.generate(wave, sp)
         seconds = time.perf_counter() - start
+        if profiled:
+            llm.stop_profile()
         after = prefix_cache_counters(llm)
         res["waves"].append({**summarize(outs), "seconds": seconds, **{
             key: after[key] - before[key] for key in after}})
         if a.stats:  # this wave's totals per rank
             res["waves"][-1]["stats"] = llm.collective_rpc("cp_kv_stats",
                                                            kwargs={"reset": True})
+        if a.step_times:  # rank 0's steps (the ranks run in lockstep)
+            res["waves"][-1]["step_times"] = llm.collective_rpc(_step_times)[0]
     return outs
 
 
@@ -730,6 +797,13 @@ def main() -> None:
     ap.add_argument("--time-contexts", default="2000",
                     help="--time-decode: comma-separated contexts, one timing each")
     ap.add_argument("--dcp", type=int, default=1, help="vLLM's own DCP (no plugin)")
+    ap.add_argument("--step-times", action="store_true",
+                    help="waves: each engine step's host and GPU milliseconds (rank 0)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="waves: vLLM's torch profiler traces of --profile-wave, here "
+                         "(an absolute path)")
+    ap.add_argument("--profile-wave", type=int, default=-1,
+                    help="with --profile-dir: the wave (from 0) to profile")
     a = ap.parse_args()
     if a.warmup_tokens >= a.max_model_len:
         ap.error(f"--warmup-tokens {a.warmup_tokens} must be below --max-model-len "

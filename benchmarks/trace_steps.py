@@ -1,0 +1,109 @@
+"""Where a profiled wave's time goes: reads the torch profiler traces that
+``gpu_context.py``'s ``prof`` task writes (vLLM's ``profiler_config``, one
+``*.pt.trace.json.gz`` per rank) and sums, per trace:
+
+* the GPU's span (first kernel start to last kernel end), its busy time (the
+  union of kernel and copy intervals) and so its idle time, with the idle
+  gaps over 0.5 ms;
+* kernel time by kind (NCCL, attention, GEMM, other) and the NCCL kernel
+  count (each one collective);
+* the host's CUDA runtime calls that wait for the device (synchronize,
+  device-to-host copies), their count and time;
+* vLLM's own annotated host ranges (``user_annotation``), time per name.
+
+Usage: python benchmarks/trace_steps.py TRACE_DIR [TRACE_DIR ...] [--out F.json]
+Compare two runs of the same wave (vLLM's DCP and the plugin) side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+from collections import Counter
+
+KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "mla", "fmha", "attn")),
+         ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")))
+WAITS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy(")  # calls that wait for the GPU
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in KINDS if any(x in low for x in keys)), "other")
+
+
+def union_ms(spans: list) -> float:
+    """Total length of the union of ``(start, end)`` intervals (us) in ms."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total / 1e3
+
+
+def summarize(path: str) -> dict:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in gpu)
+    out: dict = {"trace": os.path.basename(path), "gpu_events": len(gpu)}
+    if not spans:
+        return out
+    span_ms = (max(e for _, e in spans) - spans[0][0]) / 1e3
+    busy = union_ms(spans)
+    gaps, end = [], spans[0][1]
+    for s, e in spans[1:]:
+        if s - end > 500:
+            gaps.append(round((s - end) / 1e3, 3))
+        end = max(end, e)
+    by_kind: Counter = Counter()
+    nccl = 0
+    for e in gpu:
+        k = kind_of(e["name"]) if e["cat"] == "kernel" else e["cat"]
+        by_kind[k] += e.get("dur", 0) / 1e3
+        nccl += k == "nccl"
+    waits: Counter = Counter()
+    wait_n: Counter = Counter()
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and any(w in e["name"] for w in WAITS):
+            waits[e["name"]] += e.get("dur", 0) / 1e3
+            wait_n[e["name"]] += 1
+    notes: Counter = Counter()
+    for e in events:
+        if e.get("cat") == "user_annotation":
+            notes[e["name"]] += e.get("dur", 0) / 1e3
+    out.update(
+        gpu_span_ms=round(span_ms, 3), gpu_busy_ms=round(busy, 3),
+        gpu_idle_ms=round(span_ms - busy, 3), idle_gaps_over_half_ms=gaps,
+        kernel_ms_by_kind={k: round(v, 3) for k, v in by_kind.most_common()},
+        nccl_kernels=nccl,
+        host_waits={k: {"n": wait_n[k], "ms": round(v, 3)} for k, v in waits.most_common(8)},
+        annotations_ms={k: round(v, 3) for k, v in notes.most_common(25)},
+        top_kernels_ms={k: round(v, 3) for k, v in Counter(
+            {n: sum(e.get("dur", 0) for e in gpu if e["name"] == n) / 1e3
+             for n in {e["name"] for e in gpu}}).most_common(15)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dirs", nargs="+")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    res = {d: [summarize(p) for p in sorted(glob.glob(os.path.join(d, "**", "*trace.json*"),
+                                                      recursive=True))]
+           for d in a.dirs}
+    text = json.dumps(res, indent=1)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The first-token diagnosis tools (issue 51's cold prompt):
+``harness/run_vllm.py --step-times`` records each engine step of a wave, and
+``benchmarks/trace_steps.py`` sums a profiler trace. Both checked against
+brute force on made-up input (the GPU runs are in benchmarks/results)."""
+
+import gzip
+import importlib.util
+import json
+import os
+import random
+from types import SimpleNamespace
+
+from harness import run_vllm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+spec = importlib.util.spec_from_file_location(
+    "trace_steps", os.path.join(ROOT, "benchmarks", "trace_steps.py"))
+trace_steps = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(trace_steps)
+
+
+def test_step_times_records_each_step_with_tokens_and_resets():
+    calls = []
+    worker = SimpleNamespace(execute_model=lambda out: calls.append(out) or "ran")
+    assert run_vllm._time_steps(worker) and run_vllm._time_steps(worker)  # wraps once
+    for n in ({"a": 5, "b": 3}, {}, {"a": 1}):  # an empty step is not recorded
+        assert worker.execute_model(SimpleNamespace(num_scheduled_tokens=n)) == "ran"
+    assert len(calls) == 3
+    rows = run_vllm._step_times(worker)
+    assert [r[0] for r in rows] == [8, 1] and rows[0][1] == 0.0
+    assert all(r[2] >= 0 for r in rows)
+    assert run_vllm._step_times(worker) == []  # reset
+
+
+def _brute_busy(spans):
+    """Busy ms by marking every microsecond."""
+    on = set()
+    for s, e in spans:
+        on.update(range(s, e))
+    return len(on) / 1e3
+
+
+def test_trace_summary_matches_brute_force(tmp_path):
+    rng = random.Random(3)
+    events, spans = [], []
+    for i in range(200):
+        s = rng.randrange(0, 50_000)
+        d = rng.randrange(1, 900)
+        name = rng.choice(["ncclDevKernel_AllGather", "flash_fwd_mla", "sm90_xmma_gemm", "elementwise"])
+        events.append({"ph": "X", "cat": "kernel", "name": name, "ts": s, "dur": d})
+        spans.append((s, s + d))
+    events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 5, "dur": 2000})
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 9})
+    path = tmp_path / "r0.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = trace_steps.summarize(str(path))
+    busy = _brute_busy(spans)
+    span = (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e3
+    assert abs(got["gpu_busy_ms"] - busy) < 1e-6
+    assert abs(got["gpu_idle_ms"] - (span - busy)) < 1e-3
+    assert got["nccl_kernels"] == sum(e["name"].startswith("nccl") for e in events)
+    assert got["host_waits"] == {"cudaStreamSynchronize": {"n": 1, "ms": 2.0}}
+    kinds = got["kernel_ms_by_kind"]
+    assert abs(sum(kinds.values()) - sum(e - s for s, e in spans) / 1e3) < 1e-2
+    # a gap over half a millisecond is listed, a shorter one is not
+    two = tmp_path / "gap.pt.trace.json"
+    two.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 410, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 1420, "dur": 10}]}))
+    g = trace_steps.summarize(str(two))
+    assert g["idle_gaps_over_half_ms"] == [1.0] and g["gpu_busy_ms"] == 0.03
