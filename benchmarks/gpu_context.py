@@ -82,6 +82,9 @@ TASKS = {  # hits: waves 32K cold, +200 (hit), again; 100K cold, +200, again
     # cold prefill's time goes, step by step (benchmarks/trace_steps.py)
     "prof": ["--token-prompts", "32768,32768", "--series", "--suffix-len", "200",
              "--warmup-tokens", "20000", "--profile-wave", "3"],
+    # ... and the second of two 100K cold prompts (1.15x DCP's on 2026-12-07)
+    "prof100": ["--token-prompts", "100000,100000", "--series", "--suffix-len", "200",
+                "--warmup-tokens", "20000", "--profile-wave", "3"],
     "turnswarm": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns",
                   "--warmup-tokens", "20000"],
     "turns": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns"],
@@ -119,6 +122,24 @@ def paths(waves: list) -> dict:
         out["owned_rows"].append(s["owned_context_rows"])
         out["context_chunks"].append(s["max_context_chunks"])
         out["prefill_bytes_per_step"].append(s["prefill_bytes"] // max(s["prefill_steps"], 1))
+    return out
+
+
+def spans(waves: list) -> dict:
+    """Each wave's GPU span (``--step-times``, rank 0: from the first
+    step's entry to the last step's exit, ms) and the rest of its time,
+    outside the steps' GPU work (scheduling before the first step, output
+    handling after the last: host time), and the host ms the last step
+    spent in ``execute_model``."""
+    out = {"gpu_span_ms": [], "outside_ms": [], "last_step_host_ms": []}
+    for w in waves:
+        st = w.get("step_times")
+        if not st or st[-1][3] is None:
+            return {}
+        span = st[-1][4] + st[-1][3]
+        out["gpu_span_ms"].append(round(span, 1))
+        out["outside_ms"].append(round(w["seconds"] * 1e3 - span, 1))
+        out["last_step_host_ms"].append(round(st[-1][2], 1))
     return out
 
 
@@ -188,7 +209,7 @@ def summarize(results: dict) -> dict:
                 continue
             row[lay] = {"seconds": [round(w["seconds"], 4) for w in waves],
                         "prefix_hits": [w.get("prefix_cache_hits") for w in waves],
-                        **(paths(waves) if waves else {})}
+                        **(paths(waves) if waves else {}), **spans(waves)}
             if res.get("decode_steps"):  # the steps task: s per decode step
                 row[lay]["decode_step_s"] = {d["context"]: round(d["seconds_per_step"], 5)
                                              for d in res["decode_steps"]}

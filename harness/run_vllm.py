@@ -184,9 +184,10 @@ def _count_collectives(worker):
 
 def _time_steps(worker):
     """Time every engine step on this worker: the host seconds inside
-    ``execute_model`` and, on GPU, CUDA events at its entry and exit (read
-    by :func:`_step_times`, so no step waits for the GPU). Works with and
-    without the plugin (the comparison with vLLM's own DCP)."""
+    ``execute_model`` and ``sample_tokens`` (vLLM's V2 runner samples in
+    the latter) and, on GPU, CUDA events at ``execute_model``'s entry and
+    exit (read by :func:`_step_times`, so no step waits for the GPU). Works
+    with and without the plugin (the comparison with vLLM's own DCP)."""
     import torch
 
     state = worker.__dict__.setdefault("cp_kv_step_times", [])
@@ -206,18 +207,31 @@ def _time_steps(worker):
         if cuda:
             marks[1].record()
         if tokens:
-            state.append((tokens, start, host, marks))
+            state.append([tokens, start, host, marks, 0.0])
         return out
 
     execute_model._cp_kv_timed = True
     worker.execute_model = execute_model
+    sample = getattr(worker, "sample_tokens", None)
+    if sample is not None:
+        def sample_tokens(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return sample(*args, **kwargs)
+            finally:
+                if state:
+                    state[-1][4] += time.perf_counter() - start
+
+        worker.sample_tokens = sample_tokens
     return True
 
 
 def _step_times(worker, reset: bool = True):
     """Per step since the last reset: ``[tokens, host start (s, relative to
     the first), host ms in execute_model, GPU ms from its entry to its exit
-    (None on CPU), GPU ms from the first step's entry]``."""
+    (None on CPU), GPU ms from the first step's entry, host ms in
+    sample_tokens, host start (perf_counter, s: the clock is the machine's,
+    comparable with the harness's own)]``."""
     import torch
 
     state = worker.__dict__.get("cp_kv_step_times")
@@ -228,8 +242,9 @@ def _step_times(worker, reset: bool = True):
     t0, e0 = state[0][1], state[0][3]
     rows = [[n, round(start - t0, 6), round(host * 1e3, 3),
              round(m[0].elapsed_time(m[1]), 3) if m else None,
-             round(e0[0].elapsed_time(m[0]), 3) if m else None]
-            for n, start, host, m in state]
+             round(e0[0].elapsed_time(m[0]), 3) if m else None,
+             round(sample * 1e3, 3), start]
+            for n, start, host, m, sample in state]
     if reset:
         state.clear()
     return rows
@@ -642,6 +657,21 @@ def series_wave(k: int, first_all: list, later_all: list) -> list:
     return [first_all[i]] if step == 0 else [later_all[i]]
 
 
+def _write_host_profile(prof, path: str) -> None:
+    """This process's functions over the profiled wave (the engine core runs
+    here: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), by cumulative and own time."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(40)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+
+
 def run_waves(llm, prompts_, sp, a, res):
     """Wave 1: the prompts; every later wave: each prompt with the same new
     suffix of ``--suffix-len`` tokens (a long shared prefix), after the wave
@@ -683,15 +713,21 @@ def run_waves(llm, prompts_, sp, a, res):
                 _corrupt_one_owned_block, args=(0, a.corrupt_index))
         before = prefix_cache_counters(llm)
         profiled = k == a.profile_wave
-        if profiled:
+        if profiled:  # the workers (vLLM's torch profiler) and this process
+            import cProfile
+
             llm.start_profile()
+            here = cProfile.Profile()
+            here.enable()
         start = time.perf_counter()
         outs = llm.generate(wave, sp)
         seconds = time.perf_counter() - start
         if profiled:
+            here.disable()
             llm.stop_profile()
+            _write_host_profile(here, os.path.join(a.profile_dir, "main_process.txt"))
         after = prefix_cache_counters(llm)
-        res["waves"].append({**summarize(outs), "seconds": seconds, **{
+        res["waves"].append({**summarize(outs), "seconds": seconds, "clock": start, **{
             key: after[key] - before[key] for key in after}})
         if a.stats:  # this wave's totals per rank
             res["waves"][-1]["stats"] = llm.collective_rpc("cp_kv_stats",

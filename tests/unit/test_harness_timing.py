@@ -26,9 +26,14 @@ def test_step_times_records_each_step_with_tokens_and_resets():
     for n in ({"a": 5, "b": 3}, {}, {"a": 1}):  # an empty step is not recorded
         assert worker.execute_model(SimpleNamespace(num_scheduled_tokens=n)) == "ran"
     assert len(calls) == 3
+    worker.sample_tokens = lambda: "sampled"
+    worker.execute_model._cp_kv_timed = False  # wrap again, now with sample_tokens
+    run_vllm._time_steps(worker)
+    assert worker.sample_tokens() == "sampled"  # timed into the last step's row
     rows = run_vllm._step_times(worker)
     assert [r[0] for r in rows] == [8, 1] and rows[0][1] == 0.0
-    assert all(r[2] >= 0 for r in rows)
+    assert all(r[2] >= 0 for r in rows) and rows[0][5] == 0.0 and rows[1][5] >= 0
+    assert abs(rows[1][6] - rows[0][6] - rows[1][1]) < 1e-5
     assert run_vllm._step_times(worker) == []  # reset
 
 
