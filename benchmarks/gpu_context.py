@@ -15,9 +15,17 @@ and the plugin sharded with the context read ``gathered``, ``owned`` and
   turn's first token (4 requests at once).
 * ``hitswarm``, ``turnswarm``: the same after one unrelated cold prompt of
   20,000 tokens (``run_vllm.py --warmup-tokens``), so that the engine's
-  first long prefill is not charged to the first cold wave (not yet run);
+  first long prefill is not charged to the first cold wave;
 * ``steps``: the decode step of 8 requests at 2K and 60K tokens
-  (``run_vllm.py --time-decode``), for the README's table against DCP.
+  (``run_vllm.py --time-decode``), for the README's table against DCP;
+* ``colds``: eight distinct 32K prompts and two of 100K after a warm-up,
+  each cold then hit twice (the summary's ``cold_median_over_dcp``);
+* ``prof``, ``prof100``: two 32K (100K) prompts, the second one's cold wave
+  profiled: vLLM's torch profiler on the workers (``PROFILE_ROOT``) and the
+  main process under cProfile (``benchmarks/trace_steps.py`` sums traces).
+
+Every run times each engine step (``run_vllm.py --step-times``); the
+summary gives each wave's GPU span and the time outside it (``spans``).
 
 Usage (on the GPU machine, after ``source scripts/gpu/setup_device.sh``):
     python benchmarks/gpu_context.py OUT_DIR [--runs all|NAME,...] [--budget-s 540]
