@@ -844,6 +844,10 @@ def main() -> None:
     if a.warmup_tokens >= a.max_model_len:
         ap.error(f"--warmup-tokens {a.warmup_tokens} must be below --max-model-len "
                  f"{a.max_model_len} (the warm-up prompt gets one new token)")
+    if (a.profile_wave >= 0) != bool(a.profile_dir):
+        ap.error("--profile-wave and --profile-dir go together")
+    if a.profile_dir:  # vLLM's profiler wants an absolute path
+        a.profile_dir = os.path.abspath(a.profile_dir)
     if a.series:
         a.waves = 3 * len(a.token_prompts.split(","))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
