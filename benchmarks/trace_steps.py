@@ -34,15 +34,17 @@ def kind_of(name: str) -> str:
     return next((k for k, keys in KINDS if any(x in low for x in keys)), "other")
 
 
-def union_ms(spans: list) -> float:
-    """Total length of the union of ``(start, end)`` intervals (us) in ms."""
-    total, end = 0.0, float("-inf")
+def coverage(spans: list, gap_us: float = 500) -> tuple[float, list]:
+    """One pass over ``(start, end)`` intervals (us): the length of their
+    union (ms) and the gaps between them longer than ``gap_us`` (ms)."""
+    total, end, gaps = 0.0, None, []
     for s, e in sorted(spans):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total / 1e3
+        if end is not None and s - end > gap_us:
+            gaps.append(round((s - end) / 1e3, 3))
+        if end is None or e > end:
+            total += e - (s if end is None else max(s, end))
+            end = e
+    return total / 1e3, gaps
 
 
 def summarize(path: str) -> dict:
@@ -50,32 +52,28 @@ def summarize(path: str) -> dict:
     with opener(path, "rt") as f:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in gpu)
     out: dict = {"trace": os.path.basename(path), "gpu_events": len(gpu)}
-    if not spans:
+    if not gpu:
         return out
-    span_ms = (max(e for _, e in spans) - spans[0][0]) / 1e3
-    busy = union_ms(spans)
-    gaps, end = [], spans[0][1]
-    for s, e in spans[1:]:
-        if s - end > 500:
-            gaps.append(round((s - end) / 1e3, 3))
-        end = max(end, e)
+    spans = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in gpu]
+    span_ms = (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e3
+    busy, gaps = coverage(spans)
     by_kind: Counter = Counter()
+    by_name: Counter = Counter()
     nccl = 0
     for e in gpu:
         k = kind_of(e["name"]) if e["cat"] == "kernel" else e["cat"]
         by_kind[k] += e.get("dur", 0) / 1e3
+        by_name[e["name"]] += e.get("dur", 0) / 1e3
         nccl += k == "nccl"
     waits: Counter = Counter()
     wait_n: Counter = Counter()
+    notes: Counter = Counter()
     for e in events:
         if e.get("cat") == "cuda_runtime" and any(w in e["name"] for w in WAITS):
             waits[e["name"]] += e.get("dur", 0) / 1e3
             wait_n[e["name"]] += 1
-    notes: Counter = Counter()
-    for e in events:
-        if e.get("cat") == "user_annotation":
+        elif e.get("cat") == "user_annotation":
             notes[e["name"]] += e.get("dur", 0) / 1e3
     out.update(
         gpu_span_ms=round(span_ms, 3), gpu_busy_ms=round(busy, 3),
@@ -84,9 +82,7 @@ def summarize(path: str) -> dict:
         nccl_kernels=nccl,
         host_waits={k: {"n": wait_n[k], "ms": round(v, 3)} for k, v in waits.most_common(8)},
         annotations_ms={k: round(v, 3) for k, v in notes.most_common(25)},
-        top_kernels_ms={k: round(v, 3) for k, v in Counter(
-            {n: sum(e.get("dur", 0) for e in gpu if e["name"] == n) / 1e3
-             for n in {e["name"] for e in gpu}}).most_common(15)})
+        top_kernels_ms={k: round(v, 3) for k, v in by_name.most_common(15)})
     return out
 
 

@@ -21,15 +21,13 @@ spec.loader.exec_module(trace_steps)
 
 def test_step_times_records_each_step_with_tokens_and_resets():
     calls = []
-    worker = SimpleNamespace(execute_model=lambda out: calls.append(out) or "ran")
+    worker = SimpleNamespace(execute_model=lambda out: calls.append(out) or "ran",
+                             sample_tokens=lambda: calls.append("sample") or "sampled")
     assert run_vllm._time_steps(worker) and run_vllm._time_steps(worker)  # wraps once
     for n in ({"a": 5, "b": 3}, {}, {"a": 1}):  # an empty step is not recorded
         assert worker.execute_model(SimpleNamespace(num_scheduled_tokens=n)) == "ran"
-    assert len(calls) == 3
-    worker.sample_tokens = lambda: "sampled"
-    worker.execute_model._cp_kv_timed = False  # wrap again, now with sample_tokens
-    run_vllm._time_steps(worker)
     assert worker.sample_tokens() == "sampled"  # timed into the last step's row
+    assert len(calls) == 4  # each call ran once: nothing wrapped twice
     rows = run_vllm._step_times(worker)
     assert [r[0] for r in rows] == [8, 1] and rows[0][1] == 0.0
     assert all(r[2] >= 0 for r in rows) and rows[0][5] == 0.0 and rows[1][5] >= 0
