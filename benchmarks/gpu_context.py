@@ -20,8 +20,10 @@ and the plugin sharded with the context read ``gathered``, ``owned`` and
   (``run_vllm.py --time-decode``), for the README's table against DCP;
 * ``colds``: eight distinct 32K prompts and two of 100K after a warm-up,
   each cold then hit twice (the summary's ``cold_median_over_dcp``);
+  ``coldsnd``: six and three, without the prompt's detokenization;
 * ``prof``, ``prof100``: two 32K (100K) prompts, the second one's cold wave
-  profiled: vLLM's torch profiler on the workers (``PROFILE_ROOT``) and the
+  profiled (``prof100h``: the second one's first hit, with the workers'
+  Python stacks): vLLM's torch profiler on the workers (``PROFILE_ROOT``) and the
   main process under cProfile (``benchmarks/trace_steps.py`` sums traces).
 
 Every run times each engine step (``run_vllm.py --step-times``); the
@@ -93,6 +95,18 @@ TASKS = {  # hits: waves 32K cold, +200 (hit), again; 100K cold, +200, again
     # ... and the second of two 100K cold prompts (1.15x DCP's on 2026-12-07)
     "prof100": ["--token-prompts", "100000,100000", "--series", "--suffix-len", "200",
                 "--warmup-tokens", "20000", "--profile-wave", "3"],
+    # ... and the second 100K prompt's first hit (wave 4) with the workers'
+    # Python stacks: where a 100K hit's host time goes
+    "prof100h": ["--token-prompts", "100000,100000", "--series", "--suffix-len", "200",
+                 "--warmup-tokens", "20000", "--profile-wave", "4", "--profile-stack"],
+    # six distinct 32K prompts and three of 100K after the 20K warm-up, each
+    # cold then hit twice, without vLLM's detokenization of the prompt at
+    # the first token (run_vllm.py --no-detokenize: the same host code in
+    # every layout, 155-289 ms at 100K, whose spread hid the layouts' own
+    # difference); the first 100K prompt is the engine's first context over
+    # the 64K workspace
+    "coldsnd": ["--token-prompts", ",".join(["32768"] * 6 + ["100000"] * 3), "--series",
+                "--suffix-len", "200", "--warmup-tokens", "20000", "--no-detokenize"],
     "turnswarm": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns",
                   "--warmup-tokens", "20000"],
     "turns": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns"],
@@ -138,8 +152,16 @@ def spans(waves: list) -> dict:
     step's entry to the last step's exit, ms) and the rest of its time,
     outside the steps' GPU work (scheduling before the first step, output
     handling after the last: host time), and the host ms the last step
-    spent in ``execute_model``."""
+    spent in ``execute_model``. Where the harness recorded the machine
+    clock (rows of 9): ``before_ms``, from the wave's start to the first
+    step's entry on rank 0, ``after_ms``, from the last ``sample_tokens``'
+    host exit to the wave's end, and ``sample_gpu_ms``, the GPU from the
+    last step's exit to its ``sample_tokens``' exit."""
     out = {"gpu_span_ms": [], "outside_ms": [], "last_step_host_ms": []}
+    clocked = all(w.get("clock") and w.get("step_times") and len(w["step_times"][-1]) > 8
+                  and w["step_times"][-1][7] is not None for w in waves)
+    if clocked:
+        out.update(before_ms=[], after_ms=[], sample_gpu_ms=[])
     for w in waves:
         st = w.get("step_times")
         if not st or st[-1][3] is None:
@@ -148,6 +170,11 @@ def spans(waves: list) -> dict:
         out["gpu_span_ms"].append(round(span, 1))
         out["outside_ms"].append(round(w["seconds"] * 1e3 - span, 1))
         out["last_step_host_ms"].append(round(st[-1][2], 1))
+        if clocked:
+            out["before_ms"].append(round((st[0][6] - w["clock"]) * 1e3, 1))
+            out["after_ms"].append(round((w["clock"] + w["seconds"] - st[-1][7]) * 1e3, 1))
+            out["sample_gpu_ms"].append(None if st[-1][8] is None else
+                                        round(st[-1][8] - span, 1))
     return out
 
 
@@ -234,7 +261,7 @@ def summarize(results: dict) -> dict:
             if steps and r.get("decode_step_s"):
                 r["decode_over_dcp"] = {c: round(t / steps[c], 3)
                                         for c, t in r["decode_step_s"].items() if c in steps}
-        if "--series" in TASKS[task]:  # the cold waves' median ratio per length
+        if "--series" in TASKS[task]:  # the cold (hit) waves' median ratio per length
             lens = [int(x) for x in TASKS[task][TASKS[task].index("--token-prompts") + 1]
                     .split(",")]
             for r in row.values():
@@ -242,6 +269,11 @@ def summarize(results: dict) -> dict:
                     r["cold_median_over_dcp"] = {
                         n: statistics.median(r["over_dcp"][3 * i]
                                              for i, m in enumerate(lens) if m == n)
+                        for n in sorted(set(lens))}
+                    r["hit_median_over_dcp"] = {
+                        n: statistics.median(r["over_dcp"][3 * i + k]
+                                             for i, m in enumerate(lens) if m == n
+                                             for k in (1, 2))
                         for n in sorted(set(lens))}
         out[task] = row
     return out

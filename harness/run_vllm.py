@@ -207,7 +207,7 @@ def _time_steps(worker):
         if cuda:
             marks[1].record()
         if tokens:
-            state.append([tokens, start, host, marks, 0.0])
+            state.append([tokens, start, host, marks, 0.0, None, None])
         return out
 
     execute_model._cp_kv_timed = True
@@ -220,7 +220,12 @@ def _time_steps(worker):
                 return sample(*args, **kwargs)
             finally:
                 if state:
-                    state[-1][4] += time.perf_counter() - start
+                    end = time.perf_counter()
+                    state[-1][4] += end - start
+                    state[-1][5] = end
+                    if cuda:
+                        state[-1][6] = torch.cuda.Event(enable_timing=True)
+                        state[-1][6].record()
 
         worker.sample_tokens = sample_tokens
     return True
@@ -231,7 +236,9 @@ def _step_times(worker, reset: bool = True):
     the first), host ms in execute_model, GPU ms from its entry to its exit
     (None on CPU), GPU ms from the first step's entry, host ms in
     sample_tokens, host start (perf_counter, s: the clock is the machine's,
-    comparable with the harness's own)]``."""
+    comparable with the harness's own), sample_tokens' host exit (perf_counter,
+    s; None if none ran), GPU ms from the first step's entry to sample_tokens'
+    exit (None on CPU or if none ran)]``."""
     import torch
 
     state = worker.__dict__.get("cp_kv_step_times")
@@ -243,8 +250,9 @@ def _step_times(worker, reset: bool = True):
     rows = [[n, round(start - t0, 6), round(host * 1e3, 3),
              round(m[0].elapsed_time(m[1]), 3) if m else None,
              round(e0[0].elapsed_time(m[0]), 3) if m else None,
-             round(sample * 1e3, 3), start]
-            for n, start, host, m, sample in state]
+             round(sample * 1e3, 3), start, sample_end,
+             round(e0[0].elapsed_time(sm), 3) if sm is not None and e0 else None]
+            for n, start, host, m, sample, sample_end, sm in state]
     if reset:
         state.clear()
     return rows
@@ -439,7 +447,7 @@ def engine_options(a) -> dict:
         kw["max_num_batched_tokens"] = a.max_num_batched_tokens
     if a.profile_dir:  # vLLM's torch profiler, started around --profile-wave
         kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": a.profile_dir,
-                                 "torch_profiler_with_stack": False}
+                                 "torch_profiler_with_stack": a.profile_stack}
     if a.kv_cache_dtype:
         kw["kv_cache_dtype"] = a.kv_cache_dtype
     if a.attention_config:  # with the backend (engine_kwargs sets it from --backend)
@@ -463,8 +471,12 @@ def run(a) -> dict:
     llm = build_llm(a.model, **options)
     vllm_config = llm.llm_engine.vllm_config
     cache_config = vllm_config.cache_config
+    # --no-detokenize: vLLM's output processor then does not prime its
+    # detokenizer with the whole prompt (tokenizers' DecodeStream decodes all
+    # of it at the first token: 155-289 ms at 100K tokens on the GPU machine,
+    # the same code whatever the KV layout), so a wave times the engine
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens,
-                        ignore_eos=True, logprobs=1)
+                        ignore_eos=True, logprobs=1, detokenize=not a.no_detokenize)
     vocab = vllm_config.model_config.get_vocab_size()
     texts = prompts(a.num_prompts, a.prompt_repeat)
     if a.token_prompt_len:
@@ -840,12 +852,20 @@ def main() -> None:
                          "(an absolute path)")
     ap.add_argument("--profile-wave", type=int, default=-1,
                     help="with --profile-dir: the wave (from 0) to profile")
+    ap.add_argument("--no-detokenize", action="store_true",
+                    help="waves: SamplingParams(detokenize=False): no text, and no "
+                         "detokenization of the prompt in the first token's time")
+    ap.add_argument("--profile-stack", action="store_true",
+                    help="with --profile-dir: the workers' Python stacks in the traces "
+                         "(where their host time goes; slows the profiled wave)")
     a = ap.parse_args()
     if a.warmup_tokens >= a.max_model_len:
         ap.error(f"--warmup-tokens {a.warmup_tokens} must be below --max-model-len "
                  f"{a.max_model_len} (the warm-up prompt gets one new token)")
     if (a.profile_wave >= 0) != bool(a.profile_dir):
         ap.error("--profile-wave and --profile-dir go together")
+    if a.profile_stack and not a.profile_dir:
+        ap.error("--profile-stack needs --profile-dir")
     if a.profile_dir:  # vLLM's profiler wants an absolute path
         a.profile_dir = os.path.abspath(a.profile_dir)
     if a.series:

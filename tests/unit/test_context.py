@@ -199,6 +199,25 @@ def test_only_short_rows_with_a_context_are_candidates():
                               width=L + ROPE, v_dim=L, elt=2) is None
 
 
+def test_the_owned_plan_reads_nothing_back_from_the_device():
+    """Built from a block table on the meta device (no values: a read back
+    fails), the owned rows come out all the same, so on a GPU the host
+    plans them without waiting; their real slots are indices (a boolean
+    mask would wait for the GPU where the merge keeps them)."""
+    common, *_ = batch(2, CTX, QL)
+    kw = dict(mode="owned", max_query=512, link_of=None, heads=H, width=L + ROPE,
+              v_dim=L, elt=2)
+    host = context.plan_owned(common, 1, torch.tensor(CTX), CPShardSpec(0, 2, BS), **kw)
+    meta_common = SimpleNamespace(**{**vars(common),
+                                     "block_table_tensor": common.block_table_tensor.to("meta")})
+    meta = context.plan_owned(meta_common, 1, torch.tensor(CTX), CPShardSpec(0, 2, BS), **kw)
+    assert meta.table.device.type == "meta" and meta.table.shape == host.table.shape
+    assert meta.valid_slots.shape == host.valid_slots.shape
+    assert host.valid_slots.tolist() == host.padded.valid.nonzero().flatten().tolist()
+    assert torch.equal(host.tokens, host.padded.index[host.padded.valid])
+    assert host.local_lens.dtype == host.slot_lens.dtype == torch.int32
+
+
 def test_one_step_reads_a_bounded_number_of_tokens_owned():
     """Rows past ``OWNED_TOKENS_PER_STEP * max_query`` new tokens (in order)
     read gathered, in every mode."""

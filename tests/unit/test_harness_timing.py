@@ -32,6 +32,8 @@ def test_step_times_records_each_step_with_tokens_and_resets():
     assert [r[0] for r in rows] == [8, 1] and rows[0][1] == 0.0
     assert all(r[2] >= 0 for r in rows) and rows[0][5] == 0.0 and rows[1][5] >= 0
     assert abs(rows[1][6] - rows[0][6] - rows[1][1]) < 1e-5
+    assert rows[0][7] is None and rows[1][7] >= rows[1][6] + rows[1][2] / 1e3 - 1e-6
+    assert rows[0][8] is None and rows[1][8] is None  # no GPU here
     assert run_vllm._step_times(worker) == []  # reset
 
 
@@ -74,3 +76,24 @@ def test_trace_summary_matches_brute_force(tmp_path):
         {"ph": "X", "cat": "kernel", "name": "k", "ts": 1420, "dur": 10}]}))
     g = trace_steps.summarize(str(two))
     assert g["idle_gaps_over_half_ms"] == [1.0] and g["gpu_busy_ms"] == 0.03
+
+
+def test_spans_splits_a_wave_into_gpu_span_and_host_time_before_and_after():
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_context
+
+    # two steps: the first enters 5 ms after the wave's start, the second's
+    # GPU work ends 30 ms after the first entry, its sampling's 4 ms later;
+    # the last sample_tokens returns 40 ms in, the wave ends at 50 ms
+    clock = 100.0
+    rows = [[8, 0.0, 2.0, 10.0, 0.0, 0.5, clock + 0.005, clock + 0.008, 10.5],
+            [8, 0.01, 2.0, 20.0, 10.0, 1.0, clock + 0.015, clock + 0.040, 34.0]]
+    got = gpu_context.spans([{"seconds": 0.050, "clock": clock, "step_times": rows}])
+    assert got["gpu_span_ms"] == [30.0] and got["outside_ms"] == [20.0]
+    assert got["before_ms"] == [5.0] and got["after_ms"] == [10.0]
+    assert got["sample_gpu_ms"] == [4.0] and got["last_step_host_ms"] == [2.0]
+    # rows of an older harness (no clock columns): only the span and the rest
+    old = gpu_context.spans([{"seconds": 0.050, "step_times": [r[:5] for r in rows]}])
+    assert "before_ms" not in old and old["outside_ms"] == [20.0]

@@ -63,8 +63,9 @@ def check_owned_writes(spec: CPShardSpec, slot_mapping: torch.Tensor,
 def check_plan_covers(plan: MaterializationPlan, block_table: torch.Tensor,
                       read_lens: torch.Tensor, first_blocks: torch.Tensor | None = None
                       ) -> None:
-    """Every block a kernel reads maps to its owner's block in the scratch
-    (``first_blocks``: a context chunk's, see ``plan.plan_materialization``)."""
+    """Every block a kernel reads has a valid (non-negative) id and maps to
+    its owner's block in the scratch (``first_blocks``: a context chunk's,
+    see ``plan.plan_materialization``)."""
     spec = plan.spec
     per_rank = plan.blocks_per_rank
     full = plan.full_block_table.cpu().long()
@@ -78,6 +79,9 @@ def check_plan_covers(plan: MaterializationPlan, block_table: torch.Tensor,
             rank, k = divmod(idx, per_rank)
             owner = spec.owner_of(j)
             want = int(table[i, spec.table_index(j)])
+            _require(want >= 0, lambda: (
+                f"request {i} logical block {j}: the block table holds the negative "
+                f"block id {want} (on a GPU the plan does not read the table back)."))
             _require(rank == owner and k < int(counts[rank]) and
                      int(send[rank, k]) == want, lambda: (
                          f"request {i} logical block {j}: scratch block {idx} holds "

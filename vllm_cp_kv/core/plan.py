@@ -147,10 +147,14 @@ def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
         The frozen plan. Each (owner, physical block) pair read by the batch
         appears once, even when several requests share it.
 
-    On a GPU the plan is built with fixed shapes from the host lengths; the
-    only device-to-host read is the per-rank count of distinct blocks (the
-    collective's size), together with the negative-id check: one
-    synchronization per batch, whatever its size.
+    The plan is built with fixed shapes from the host lengths and makes no
+    device-to-host read, so on a GPU the host plans ahead of the device as
+    vLLM's own steps do: the collective's size (blocks a rank sends) is the
+    busiest rank's read count, which exceeds its distinct blocks only when
+    requests of the batch share blocks (the extra slots send the pad block).
+    A negative block id in the rows read raises ``ValueError`` where the
+    table is on the host; on a GPU that check is the debug switch's
+    (:func:`vllm_cp_kv.core.debug.check_plan_covers`).
     """
     device = block_table.device
     n, bs = spec.size, spec.block_size
@@ -177,15 +181,16 @@ def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
     # every (request, logical block) the batch reads, request-major (host)
     req = torch.repeat_interleave(torch.arange(num_reqs), nblk)
     col = torch.arange(total) - torch.repeat_interleave(torch.cumsum(nblk, 0) - nblk, nblk)
-    req, col, j = to_device(torch.stack([req, col, col + first[req]]), device)
+    j_host = col + first[req]
+    # the collective's size, on the host (see above; chunk_ranges bounds it)
+    per_rank = int(torch.bincount(spec.owner_of(j_host), minlength=n).max())
+    req, col, j = to_device(torch.stack([req, col, j_host]), device)
     owner = spec.owner_of(j)
     phys = block_table[req, spec.table_index(j)].to(torch.int64)
-    order, k_owner, k_phys, slot, counts = _distinct_blocks(owner, phys, n)
-    # the one device-to-host read: the collective's size and the id check
-    per_rank, min_phys = (int(v) for v in torch.stack([counts.max(), phys.min()]).cpu())
-    if min_phys < 0:
+    if device.type == "cpu" and int(phys.min()) < 0:  # on GPU: debug.check_plan_covers
         raise ValueError("block table holds a negative block id for a block "
                          "the batch reads.")
+    order, k_owner, k_phys, slot, counts = _distinct_blocks(owner, phys, n)
     send = torch.full((n, per_rank), pad_block_id, dtype=torch.int64, device=device)
     send[k_owner, slot] = k_phys  # duplicates write the same id
     index = torch.empty_like(slot)

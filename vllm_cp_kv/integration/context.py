@@ -38,6 +38,7 @@ from ..core.context import (Exchange, Link, PaddedRows, choose_owned, exchange_q
                             output_layout, padded_rows, pcp_pieces, row_bytes)
 from ..core.decode import paged_attention_with_lse
 from ..core.ownership import owned_token_count
+from ..core.plan import to_device
 from .checks import OWNED_CONTEXT_BACKENDS
 from .merge import combine, merge_bytes
 
@@ -87,6 +88,7 @@ class OwnedRows:
     local_lens: torch.Tensor  # [R] int32 device: owned context tokens of each row
     slot_lens: torch.Tensor  # [R * S] int32 device: each query slot's (0: padding)
     tokens: torch.Tensor  # [T_o] device: the prefill token of each real slot
+    valid_slots: torch.Tensor  # [T_o] device: the real slots (TP's merge keeps them)
     # PCP: the rows' pieces are split over the PCP ranks; R rows are the
     # pieces, whose queries are exchanged (core.context.Exchange, dst on the
     # device); tokens: this rank's own, in the order it sends them
@@ -122,18 +124,25 @@ def _owned_rows(rows, padded: PaddedRows, table: torch.Tensor, table_rows: torch
     """:class:`OwnedRows` on ``table``'s device from the host plan:
     ``table[table_rows]`` the rows' block-table rows, ``local`` their owned
     context tokens; ``tokens`` (host) this rank's tokens (None: every real
-    slot's, TP); ``exchange``'s ``dst`` moved too."""
+    slot's, TP); ``exchange``'s ``dst`` moved too. Every host tensor goes
+    up in one upload from pinned memory (``core.plan.to_device``): the
+    host never waits for the GPU here, nor later for a boolean mask."""
     device = table.device
-    local = local.to(torch.int32)
     slot = torch.where(padded.valid, local.repeat_interleave(padded.width), 0)
-    index, valid = padded.index.to(device), padded.valid.to(device)
+    valid_slots = padded.valid.nonzero().flatten()
+    if tokens is None:
+        tokens = padded.index[valid_slots]
+    parts = [padded.index, padded.valid, local, slot, table_rows, tokens, valid_slots,
+             *(() if exchange is None else (exchange.dst,))]
+    up = to_device(torch.cat([x.reshape(-1).to(torch.int64) for x in parts]), device)
+    index, valid, local_d, slot_d, rows_d, tokens_d, valid_d, *dst = \
+        up.split([x.numel() for x in parts])
     if exchange is not None:
-        exchange = dataclasses.replace(exchange, dst=exchange.dst.to(device))
-    return OwnedRows(rows=rows, padded=PaddedRows(index, valid, padded.width),
-                     table=table[table_rows.to(device)], local_lens=local.to(device),
-                     slot_lens=slot.to(torch.int32).to(device),
-                     tokens=index[valid] if tokens is None else tokens.to(device),
-                     exchange=exchange)
+        exchange = dataclasses.replace(exchange, dst=dst[0])
+    return OwnedRows(rows=rows, padded=PaddedRows(index, valid.bool(), padded.width),
+                     table=table.index_select(0, rows_d), local_lens=local_d.to(torch.int32),
+                     slot_lens=slot_d.to(torch.int32), tokens=tokens_d,
+                     valid_slots=valid_d, exchange=exchange)
 
 
 def plan_owned_pcp(common, num_decodes: int, step, global_table: torch.Tensor, spec, *,
@@ -228,8 +237,8 @@ def owned_context(runtime, owned: OwnedRows, q: torch.Tensor, kv_cache: torch.Te
         out, lse = out[: ex.count].to(q.dtype), lse[: ex.count]
     else:
         out, lse = _merge(runtime, out, lse, owned.slot_lens, split)
-        valid = owned.padded.valid
-        out, lse = out[valid].to(q.dtype), lse[valid]
+        keep = owned.valid_slots  # indices: a boolean mask would wait for the GPU
+        out, lse = out.index_select(0, keep).to(q.dtype), lse.index_select(0, keep)
     up = torch.bmm(out.transpose(0, 1), layer.W_UV).transpose(0, 1)  # [T_o, H_l, V_head]
     return up, lse.transpose(0, 1).contiguous()
 
