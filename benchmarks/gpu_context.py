@@ -22,8 +22,8 @@ and the plugin sharded with the context read ``gathered``, ``owned`` and
   each cold then hit twice (the summary's ``cold_median_over_dcp``);
   ``coldsnd``: six and three, without the prompt's detokenization;
 * ``prof``, ``prof100``: two 32K (100K) prompts, the second one's cold wave
-  profiled (``prof100h``: the second one's first hit, with the workers'
-  Python stacks): vLLM's torch profiler on the workers (``PROFILE_ROOT``) and the
+  profiled (``prof100h``: the second one's first hit, ``prof100first``: the
+  first 100K cold prompt, both with the workers' Python stacks): vLLM's torch profiler on the workers (``PROFILE_ROOT``) and the
   main process under cProfile (``benchmarks/trace_steps.py`` sums traces).
 
 Every run times each engine step (``run_vllm.py --step-times``); the
@@ -107,6 +107,12 @@ TASKS = {  # hits: waves 32K cold, +200 (hit), again; 100K cold, +200, again
     # the 64K workspace
     "coldsnd": ["--token-prompts", ",".join(["32768"] * 6 + ["100000"] * 3), "--series",
                 "--suffix-len", "200", "--warmup-tokens", "20000", "--no-detokenize"],
+    # ... and the first 100K cold prompt after the 20K warm-up (the engine's
+    # first context over the 64K workspace: 1.075x DCP's on 2026-12-07) with
+    # the workers' Python stacks
+    "prof100first": ["--token-prompts", "100000", "--series", "--suffix-len", "200",
+                     "--warmup-tokens", "20000", "--no-detokenize", "--profile-wave", "0",
+                     "--profile-stack"],
     "turnswarm": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns",
                   "--warmup-tokens", "20000"],
     "turns": ["--token-prompts", "30000,55000,80000,100000", "--waves", "8", "--turns"],

@@ -11,6 +11,10 @@
   device-to-host copies), their count and time;
 * vLLM's own annotated host ranges (``user_annotation``), time per name.
 
+With Python stacks in the trace (``run_vllm.py --profile-stack``) it also
+gives each wait of over a millisecond with the Python frames around it, and
+the Python functions with the most host time of their own (``stacks``).
+
 Usage: python benchmarks/trace_steps.py TRACE_DIR [TRACE_DIR ...] [--out F.json]
 Compare two runs of the same wave (vLLM's DCP and the plugin) side by side.
 """
@@ -45,6 +49,37 @@ def coverage(spans: list, gap_us: float = 500) -> tuple[float, list]:
             total += e - (s if end is None else max(s, end))
             end = e
     return total / 1e3, gaps
+
+
+def stacks(events: list, min_wait_ms: float = 1.0, depth: int = 8, top: int = 15) -> dict:
+    """The host's waits over ``min_wait_ms`` with the innermost ``depth``
+    Python frames around each, and the ``top`` Python functions by their
+    own time (a frame's time less its child frames'), ms."""
+    frames: dict = {}
+    for e in events:
+        if e.get("cat") == "python_function":
+            frames.setdefault(e["tid"], []).append(e)
+    own: Counter = Counter()
+    for evs in frames.values():  # one sweep per thread: nesting by interval
+        evs.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        open_: list = []
+        for e in evs:
+            while open_ and open_[-1]["ts"] + open_[-1].get("dur", 0) <= e["ts"]:
+                open_.pop()
+            if open_:
+                own[open_[-1]["name"]] -= e.get("dur", 0) / 1e3
+            own[e["name"]] += e.get("dur", 0) / 1e3
+            open_.append(e)
+    waits = []
+    for w in events:
+        if w.get("cat") == "cuda_runtime" and any(x in w["name"] for x in WAITS) \
+                and w.get("dur", 0) >= min_wait_ms * 1e3:
+            around = [e["name"] for e in frames.get(w["tid"], [])
+                      if e["ts"] <= w["ts"] and e["ts"] + e.get("dur", 0) >= w["ts"] + w["dur"]]
+            waits.append({"call": w["name"], "ms": round(w["dur"] / 1e3, 3),
+                          "frames": around[-depth:]})
+    return {"waits": sorted(waits, key=lambda x: -x["ms"]),
+            "own_ms": {k: round(v, 3) for k, v in own.most_common(top)}}
 
 
 def summarize(path: str) -> dict:
@@ -83,6 +118,8 @@ def summarize(path: str) -> dict:
         host_waits={k: {"n": wait_n[k], "ms": round(v, 3)} for k, v in waits.most_common(8)},
         annotations_ms={k: round(v, 3) for k, v in notes.most_common(25)},
         top_kernels_ms={k: round(v, 3) for k, v in by_name.most_common(15)})
+    if any(e.get("cat") == "python_function" for e in events):
+        out["stacks"] = stacks(events)
     return out
 
 

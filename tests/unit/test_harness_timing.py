@@ -97,3 +97,17 @@ def test_spans_splits_a_wave_into_gpu_span_and_host_time_before_and_after():
     # rows of an older harness (no clock columns): only the span and the rest
     old = gpu_context.spans([{"seconds": 0.050, "step_times": [r[:5] for r in rows]}])
     assert "before_ms" not in old and old["outside_ms"] == [20.0]
+
+
+def test_stacks_gives_each_wait_its_frames_and_each_function_its_own_time():
+    def ev(name, ts, dur, cat="python_function", tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    events = [ev("A", 0, 1000), ev("B", 100, 500), ev("C", 700, 200),
+              ev("cudaStreamSynchronize", 200, 300, cat="cuda_runtime"),
+              ev("cudaLaunchKernel", 750, 10, cat="cuda_runtime"),  # not a wait
+              ev("D", 0, 400, tid=2)]  # another thread: not around the wait
+    got = trace_steps.stacks(events, min_wait_ms=0.1)
+    assert got["waits"] == [{"call": "cudaStreamSynchronize", "ms": 0.3, "frames": ["A", "B"]}]
+    assert got["own_ms"] == {"B": 0.5, "D": 0.4, "A": 0.3, "C": 0.2}
+    assert trace_steps.stacks(events, min_wait_ms=0.5)["waits"] == []
