@@ -10,7 +10,8 @@ split batch, with block 64 and shard sizes 2 and 8:
 * the plan made on the GPU from the device block table equals the plan made
   on the CPU (send lists, per-rank counts, full-view table);
 * host waits for the GPU while planning, counted with
-  ``torch.cuda.set_sync_debug_mode`` after warm-up (expected: 1 per batch);
+  ``torch.cuda.set_sync_debug_mode`` after warm-up (expected: 1 per batch,
+  none with ``host_size``, the context chunks' plans);
 * median plan time with an idle GPU, and the host time of a plan queued
   behind 20 ms of GPU work (a plan that waited once shows it here).
 Writes OUT_DIR/plan_check.json.
@@ -94,8 +95,14 @@ def main(out):
             plan_materialization(spec, gpu_table, lens_t)
             t_behind = time.perf_counter() - t0
             torch.cuda.synchronize()
+            # sized on the host (the context chunks): no wait at all
+            host = plan_materialization(spec, gpu_table, lens_t, host_size=True)
+            same &= torch.equal(host.full_block_table.cpu(), plan_materialization(
+                spec, table, lens_t, host_size=True).full_block_table)
             res[f"N{n}/{name}"] = {
                 "same_as_cpu": bool(same), "host_syncs": n_sync,
+                "host_sized_syncs": syncs_of(lambda: plan_materialization(
+                    spec, gpu_table, lens_t, host_size=True)),
                 "blocks_per_rank": plan.blocks_per_rank,
                 "plan_us_median": round(statistics.median(times), 1),
                 "plan_host_ms_behind_busy_gpu": round(1e3 * t_behind, 2),
@@ -115,7 +122,8 @@ def main(out):
     write_json(os.path.join(out, "plan_check.json"), res)
     for k, v in res.items():
         print(k, json.dumps(v))
-    ok = all(v["same_as_cpu"] and v["host_syncs"] <= 1 for v in res.values())
+    ok = all(v["same_as_cpu"] and v["host_syncs"] <= 1 and v.get("host_sized_syncs", 0) == 0
+             for v in res.values())
     print("PLAN_CHECK", "ok" if ok else "FAILED")
 
 

@@ -195,6 +195,7 @@ def _time_steps(worker):
     if getattr(orig, "_cp_kv_timed", False):
         return True
     cuda = torch.cuda.is_available()
+    recorded = [False]  # the last execute_model added a row
 
     def execute_model(scheduler_output, *args, **kwargs):
         tokens = sum(scheduler_output.num_scheduled_tokens.values())
@@ -208,6 +209,7 @@ def _time_steps(worker):
             marks[1].record()
         if tokens:
             state.append([tokens, start, host, marks, 0.0, None, None])
+        recorded[0] = bool(tokens)  # sample_tokens times into this step's row
         return out
 
     execute_model._cp_kv_timed = True
@@ -219,7 +221,7 @@ def _time_steps(worker):
             try:
                 return sample(*args, **kwargs)
             finally:
-                if state:
+                if state and recorded[0]:
                     end = time.perf_counter()
                     state[-1][4] += end - start
                     state[-1][5] = end

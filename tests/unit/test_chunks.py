@@ -161,3 +161,19 @@ def test_negative_control_pcp_rows_mapped_to_the_wrong_request():
                               torch.tensor(context), local=wrong)
     assert any(not torch.equal(g, ref[keys.index(k)][:c])
                for g, k, c in zip(got, row_keys, context))
+
+
+def test_chunk_plans_fit_the_scratch_sized_on_the_host():
+    """Chunk plans size their collective from the host (no read back: on the
+    meta device, where any read fails, they are built all the same), and
+    stay within the scratch even where requests share blocks (the shared
+    blocks' extra slots are padding, which ``chunk_ranges`` counted)."""
+    n, capacity = 2, 12
+    table, lens, caches = make_batch(n, [128, 128, 40], seed=11, shared_rows=(0, 1, 2))
+    chunks, got = read_by_chunks(n, table, lens, caches, capacity)
+    ref = full_view(table, lens, caches, BS, n)
+    for i in range(len(lens)):
+        assert torch.equal(got[i], ref[i][: int(lens[i])])
+    meta = plan_context_chunks(spec(n), table.to("meta"), lens, capacity)
+    assert [c.plan.send_block_ids.shape for c in meta] == \
+        [c.plan.send_block_ids.shape for c in chunks]

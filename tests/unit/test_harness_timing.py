@@ -35,6 +35,12 @@ def test_step_times_records_each_step_with_tokens_and_resets():
     assert rows[0][7] is None and rows[1][7] >= rows[1][6] + rows[1][2] / 1e3 - 1e-6
     assert rows[0][8] is None and rows[1][8] is None  # no GPU here
     assert run_vllm._step_times(worker) == []  # reset
+    worker.execute_model(SimpleNamespace(num_scheduled_tokens={"a": 2}))
+    worker.sample_tokens()
+    worker.execute_model(SimpleNamespace(num_scheduled_tokens={}))  # no row
+    end = worker.cp_kv_step_times[-1][5]
+    worker.sample_tokens()  # an empty step's sampling: not timed into the row before
+    assert worker.cp_kv_step_times[-1][5] == end and len(run_vllm._step_times(worker)) == 1
 
 
 def _brute_busy(spans):

@@ -55,9 +55,15 @@ def test_shared_blocks_are_gathered_once():
     plan = plan_materialization(spec(n), table, lens)
     # 8 logical blocks each, the first 4 (2 columns x 2 ranks) shared
     assert int(plan.num_send_blocks.sum()) == 16 - 4
-    # the collective's size is the host's count of reads (8 a rank), which
-    # the shared blocks exceed: those slots send the pad block
-    assert plan.blocks_per_rank == 8 and plan.num_send_blocks.tolist() == [6, 6]
+    assert plan.blocks_per_rank == 6  # the distinct blocks, read back
+    # sized on the host (context chunks): the reads, 8 a rank, which the
+    # shared blocks exceed; those slots send the pad block, the view is the same
+    host = plan_materialization(spec(n), table, lens, host_size=True)
+    assert host.blocks_per_rank == 8 and host.num_send_blocks.tolist() == [6, 6]
+    scratch = simulated_gather(host, caches)
+    for i in range(2):
+        assert torch.equal(tokens_of(view_of(host, scratch, i), int(lens[i])),
+                           full_view(table, lens, caches, BS, n)[i])
     assert torch.equal(plan.full_block_table[0, :4], plan.full_block_table[1, :4])
     scratch = simulated_gather(plan, caches)
     ref = full_view(table, lens, caches, BS, n)
@@ -100,22 +106,26 @@ def test_plan_rejects_table_too_narrow_and_negative_ids():
         plan_materialization(spec(2), table, lens)
 
 
-def test_plan_reads_nothing_back_from_the_device():
-    """The plan's shapes come from the host: on the meta device (tensors
-    without values, where any read back fails) it is built all the same,
-    with the CPU plan's shapes, so on a GPU the host never waits for it.
-    A negative id then goes unseen by the plan; the debug check finds it."""
+def test_a_host_sized_plan_reads_nothing_back_from_the_device():
+    """With ``host_size`` (the context chunks) the plan's shapes come from
+    the host: on the meta device (tensors without values, where any read
+    back fails) it is built all the same, with the CPU plan's shapes, so on
+    a GPU the host never waits for it; without, it reads its size back (the
+    control). A negative id then goes unseen by the plan on the device; the
+    debug check finds it, and on the host the plan itself."""
     n = 2
     table, lens, _ = make_batch(n, [70, 40, 130], seed=9)
-    on_host = plan_materialization(spec(n), table, lens)
-    meta = plan_materialization(spec(n), table.to("meta"), lens)
+    on_host = plan_materialization(spec(n), table, lens, host_size=True)
+    meta = plan_materialization(spec(n), table.to("meta"), lens, host_size=True)
     assert meta.send_block_ids.shape == on_host.send_block_ids.shape
     assert meta.full_block_table.shape == on_host.full_block_table.shape
-    with pytest.raises(RuntimeError, match="meta"):  # the control: meta has no values
-        int(meta.num_send_blocks.max())
+    with pytest.raises(NotImplementedError, match="meta"):
+        plan_materialization(spec(n), table.to("meta"), lens)
     table[1, 0] = -1
     with pytest.raises(debug.CPKVInvariantError, match="negative"):
         debug.check_plan_covers(on_host, table, lens)
+    with pytest.raises(ValueError, match="negative"):
+        plan_materialization(spec(n), table, lens, host_size=True)
 
 
 def test_debug_checks_catch_a_stale_plan_and_bad_slots():

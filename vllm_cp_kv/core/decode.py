@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from .ownership import CPShardSpec, owned_token_count
+from .plan import to_device
 
 
 def query_token_lens(seq_lens: torch.Tensor, query_lens: list[int], spec: CPShardSpec
@@ -61,8 +62,8 @@ def query_token_lens(seq_lens: torch.Tensor, query_lens: list[int], spec: CPShar
     rows = torch.repeat_interleave(torch.arange(q.numel()), q)
     first = torch.cumsum(q, 0) - q
     after = q[rows] - 1 - (torch.arange(rows.numel()) - first[rows])  # later queries of the row
-    rows = rows.to(seq.device)
-    visible = seq[rows] - after.to(seq.device)
+    rows, after = to_device(torch.stack([rows, after]), seq.device)  # no host wait
+    visible = seq[rows] - after
     return rows, owned_token_count(visible, spec).to(torch.int32)
 
 

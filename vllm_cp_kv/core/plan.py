@@ -13,7 +13,8 @@ Scratch layout (rank-major, one collective of the same size on every rank)::
 
     scratch[r * P + i] = rank r's physical block send_block_ids[r, i]
 
-where ``P = max_r(#blocks rank r sends)``; ranks with fewer blocks pad with
+where ``P = max_r(#blocks rank r sends)`` (for a context chunk, the host's
+count of rank ``r``'s reads: ``host_size``); ranks with fewer blocks pad with
 ``pad_block_id`` (never referenced by ``full_block_table``).
 """
 
@@ -66,8 +67,10 @@ class _PinnedRing:
 
     A copy from pageable memory makes the host wait until the stream has
     run everything queued before it; from pinned memory it is queued like
-    a kernel. Buffers are reused round-robin, each after its last upload
-    has run (an event, normally long complete).
+    a kernel. Buffers are reused round-robin once their last upload has
+    run (an event, normally long complete); one still in flight is left to
+    PyTorch's pinned-memory cache, which frees it once the copy has run, and
+    a new one takes its place, so an upload never waits.
     """
 
     def __init__(self, device: torch.device, slots: int = 8):
@@ -77,8 +80,8 @@ class _PinnedRing:
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         self.i = i = (self.i + 1) % len(self.buffers)
-        if self.events[i] is not None:
-            self.events[i].synchronize()
+        if self.events[i] is not None and not self.events[i].query():
+            self.buffers[i] = torch.empty(0, dtype=torch.int64)  # still in flight
         if self.buffers[i].numel() < host.numel():
             self.buffers[i] = torch.empty(max(host.numel(), 1024), dtype=torch.int64,
                                           pin_memory=True)
@@ -119,11 +122,33 @@ def _distinct_blocks(owner: torch.Tensor, phys: torch.Tensor, n: int):
     return order, k_owner, k_phys, slot, counts
 
 
+def _send_size(spec: CPShardSpec, j_host: torch.Tensor, counts: torch.Tensor,
+               phys: torch.Tensor, host_size: bool) -> int:
+    """``P``, the blocks every rank sends, and the negative-id check.
+    ``host_size``: the busiest rank's reads, counted on the host (at least
+    its distinct blocks; more where requests share blocks, whose extra slots
+    send the pad block), so that the host does not wait for the GPU; the
+    check then runs only where the table is on the host (on a GPU it is the
+    debug switch's, ``debug.check_plan_covers``). Otherwise the distinct
+    count read back from the device with the check: one wait."""
+    if host_size:
+        if phys.device.type == "cpu" and int(phys.min()) < 0:
+            raise ValueError("block table holds a negative block id for a block "
+                             "the batch reads.")
+        return int(torch.bincount(spec.owner_of(j_host), minlength=spec.size).max())
+    per_rank, min_phys = (int(v) for v in torch.stack([counts.max(), phys.min()]).cpu())
+    if min_phys < 0:
+        raise ValueError("block table holds a negative block id for a block "
+                         "the batch reads.")
+    return per_rank
+
+
 def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
                          seq_lens: torch.Tensor,
                          pad_block_id: int = 0,
                          min_columns: int = 1,
-                         first_blocks: torch.Tensor | None = None
+                         first_blocks: torch.Tensor | None = None,
+                         host_size: bool = False
                          ) -> MaterializationPlan:
     """Plan the full-view gather for one batch.
 
@@ -134,8 +159,8 @@ def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
             (column ``c`` holds logical blocks ``c*N .. c*N+N-1``).
         seq_lens: ``[R]`` int, tokens whose KV each request reads this step
             (context plus the tokens computed in this step). Pass them on
-            the host: every shape of the plan follows from them there, so
-            that planning on a GPU waits for it once (see below).
+            the host: every shape of the plan follows from them there (see
+            below).
         pad_block_id: a valid local block id used to pad short rank lists.
         min_columns: least width of ``full_block_table`` (kernels that size
             their index from a request's full length need it).
@@ -143,18 +168,17 @@ def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
             reads (a chunk of its context, :func:`plan_context_chunks`);
             column ``c`` of its ``full_block_table`` row is then logical
             block ``first_blocks[r] + c``. Default: every request from 0.
+        host_size: size the collective from the host's read counts
+            (:func:`_send_size`; the context chunks, whose scratch
+            :func:`chunk_ranges` sizes by the same count).
     Returns:
         The frozen plan. Each (owner, physical block) pair read by the batch
         appears once, even when several requests share it.
 
-    The plan is built with fixed shapes from the host lengths and makes no
-    device-to-host read, so on a GPU the host plans ahead of the device as
-    vLLM's own steps do: the collective's size (blocks a rank sends) is the
-    busiest rank's read count, which exceeds its distinct blocks only when
-    requests of the batch share blocks (the extra slots send the pad block).
-    A negative block id in the rows read raises ``ValueError`` where the
-    table is on the host; on a GPU that check is the debug switch's
-    (:func:`vllm_cp_kv.core.debug.check_plan_covers`).
+    On a GPU the plan is built with fixed shapes from the host lengths; its
+    only device-to-host read is the collective's size with the negative-id
+    check (one wait per batch), and with ``host_size`` none: the host then
+    plans ahead of the device, as vLLM's own steps do.
     """
     device = block_table.device
     n, bs = spec.size, spec.block_size
@@ -182,15 +206,11 @@ def plan_materialization(spec: CPShardSpec, block_table: torch.Tensor,
     req = torch.repeat_interleave(torch.arange(num_reqs), nblk)
     col = torch.arange(total) - torch.repeat_interleave(torch.cumsum(nblk, 0) - nblk, nblk)
     j_host = col + first[req]
-    # the collective's size, on the host (see above; chunk_ranges bounds it)
-    per_rank = int(torch.bincount(spec.owner_of(j_host), minlength=n).max())
     req, col, j = to_device(torch.stack([req, col, j_host]), device)
     owner = spec.owner_of(j)
     phys = block_table[req, spec.table_index(j)].to(torch.int64)
-    if device.type == "cpu" and int(phys.min()) < 0:  # on GPU: debug.check_plan_covers
-        raise ValueError("block table holds a negative block id for a block "
-                         "the batch reads.")
     order, k_owner, k_phys, slot, counts = _distinct_blocks(owner, phys, n)
+    per_rank = _send_size(spec, j_host, counts, phys, host_size)
     send = torch.full((n, per_rank), pad_block_id, dtype=torch.int64, device=device)
     send[k_owner, slot] = k_phys  # duplicates write the same id
     index = torch.empty_like(slot)
@@ -272,11 +292,13 @@ def plan_context_chunks(spec: CPShardSpec, block_table: torch.Tensor,
                         read_lens: torch.Tensor, capacity_blocks: int,
                         min_columns: int = 1) -> list[ContextChunk]:
     """The plans of :func:`chunk_ranges`: once per batch, each chunk's
-    gather then runs once per layer into the same scratch."""
+    gather then runs once per layer into the same scratch. Their collectives
+    are sized on the host (``host_size``): a chunk's reads fit the scratch,
+    so planning a chunked context never waits for the GPU."""
     bs = spec.block_size
     return [ContextChunk(first, tokens, plan_materialization(
         spec, block_table, torch.where(tokens > 0, first * bs + tokens, 0),
-        min_columns=min_columns, first_blocks=first))
+        min_columns=min_columns, first_blocks=first, host_size=True))
         for first, tokens in chunk_ranges(spec, read_lens, capacity_blocks)]
 
 

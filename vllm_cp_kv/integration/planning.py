@@ -41,7 +41,7 @@ from ..core import debug as core_debug
 from ..core.decode import query_token_lens
 from ..core.ownership import CPShardSpec
 from ..core.plan import (ContextChunk, global_rows, plan_context_chunks,
-                         plan_materialization, plan_split_requests)
+                         plan_materialization, plan_split_requests, to_device)
 from .context import plan_owned, plan_owned_pcp
 from .step import BatchPlan, DecodeBuffers, DecodeView, PCPStep, PlanInputs
 
@@ -269,7 +269,7 @@ def _plan_pcp(inputs: PlanInputs, step: PCPStep, common, num_decodes: int,
         chunks = plan_context_chunks(inputs.spec, global_table, lens, inputs.pool_blocks,
                                      min_columns=columns)
         plan = chunks[0].plan
-        full = plan.full_block_table[rows.to(plan.full_block_table.device)]
+        full = plan.full_block_table[to_device(rows, plan.full_block_table.device)]
     if inputs.debug:
         # vLLM's PCP write path gathers new KV across ranks: the owned-writes
         # check runs on the poisoned-cache tests
