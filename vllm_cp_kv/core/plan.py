@@ -132,11 +132,10 @@ def _send_size(spec: CPShardSpec, j_host: torch.Tensor, counts: torch.Tensor,
     debug switch's, ``debug.check_plan_covers``). Otherwise the distinct
     count read back from the device with the check: one wait."""
     if host_size:
-        if phys.device.type == "cpu" and int(phys.min()) < 0:
-            raise ValueError("block table holds a negative block id for a block "
-                             "the batch reads.")
-        return int(torch.bincount(spec.owner_of(j_host), minlength=spec.size).max())
-    per_rank, min_phys = (int(v) for v in torch.stack([counts.max(), phys.min()]).cpu())
+        per_rank = int(torch.bincount(spec.owner_of(j_host), minlength=spec.size).max())
+        min_phys = int(phys.min()) if phys.device.type == "cpu" else 0
+    else:
+        per_rank, min_phys = (int(v) for v in torch.stack([counts.max(), phys.min()]).cpu())
     if min_phys < 0:
         raise ValueError("block table holds a negative block id for a block "
                          "the batch reads.")

@@ -83,7 +83,7 @@ class OwnedRows:
     rows on: ``padded.index`` counts tokens from the first prefill token)."""
 
     rows: torch.Tensor  # [R] host: the rows' index in the batch
-    padded: PaddedRows  # index / valid on the device
+    padded: PaddedRows  # index on the device, valid on the host (on it: valid_slots)
     table: torch.Tensor  # [R, C] device: the rows' block-table rows
     local_lens: torch.Tensor  # [R] int32 device: owned context tokens of each row
     slot_lens: torch.Tensor  # [R * S] int32 device: each query slot's (0: padding)
@@ -132,14 +132,14 @@ def _owned_rows(rows, padded: PaddedRows, table: torch.Tensor, table_rows: torch
     valid_slots = padded.valid.nonzero().flatten()
     if tokens is None:
         tokens = padded.index[valid_slots]
-    parts = [padded.index, padded.valid, local, slot, table_rows, tokens, valid_slots,
+    parts = [padded.index, local, slot, table_rows, tokens, valid_slots,
              *(() if exchange is None else (exchange.dst,))]
     up = to_device(torch.cat([x.reshape(-1).to(torch.int64) for x in parts]), device)
-    index, valid, local_d, slot_d, rows_d, tokens_d, valid_d, *dst = \
+    index, local_d, slot_d, rows_d, tokens_d, valid_d, *dst = \
         up.split([x.numel() for x in parts])
     if exchange is not None:
         exchange = dataclasses.replace(exchange, dst=dst[0])
-    return OwnedRows(rows=rows, padded=PaddedRows(index, valid.bool(), padded.width),
+    return OwnedRows(rows=rows, padded=PaddedRows(index, padded.valid, padded.width),
                      table=table.index_select(0, rows_d), local_lens=local_d.to(torch.int32),
                      slot_lens=slot_d.to(torch.int32), tokens=tokens_d,
                      valid_slots=valid_d, exchange=exchange)
